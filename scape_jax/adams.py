@@ -1,0 +1,136 @@
+"""AdamS: Adam whose second moment is formed from the first (no `nu` state).
+
+    m_t = b1 * m_{t-1} + (1 - b1) * g_t
+    v_t = b2 * m_{t-1}**2 + (1 - b2) * g_t**2
+    u_t = (m_t / (1 - b1**t)) / (sqrt(v_t / (1 - b2**t)) + eps)
+
+AdamS keeps only `m`, so its optimizer state is half of Adam's. See
+`docs/design.md` section 1 and the SCAPE paper, Section II-C.
+"""
+
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+
+ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
+
+
+class ScaleByAdamSState(NamedTuple):
+  """State of `scale_by_adams`: the step count and the first moment."""
+  count: jax.Array  # int32 scalar: number of completed updates.
+  mu: optax.Updates  # First moment, fp32 (or `mu_dtype`), shaped like params.
+
+
+def bias_corrected_direction(mu, nu, count, *, b1, b2, eps):
+  """`(mu / (1 - b1^t)) / (sqrt(nu / (1 - b2^t)) + eps)` for step t = count."""
+  t = count.astype(jnp.float32)
+  c1 = 1.0 - jnp.asarray(b1, jnp.float32) ** t
+  c2 = 1.0 - jnp.asarray(b2, jnp.float32) ** t
+  return jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v / c2) + eps), mu, nu)
+
+
+def scale_by_adams(
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+    mu_dtype: Optional[Any] = None,
+) -> optax.GradientTransformation:
+  """Rescales updates by the AdamS rule: the preconditioner comes from `m`.
+
+  Args:
+    b1: decay rate of the first moment.
+    b2: weight of the previous first moment squared in the preconditioner.
+    eps: term added to the denominator for numerical stability.
+    mu_dtype: optional dtype of the first moment; `None` keeps the dtype of
+      the params (fp32 master weights in this project).
+
+  Returns:
+    An `optax.GradientTransformation` whose state is `ScaleByAdamSState`.
+
+  References:
+    Zhang et al., "AdamS: Momentum itself can be a normalizer for LLM
+    pretraining and post-training", 2025; SCAPE paper, Eq. 2.
+  """
+  for name, value in (('b1', b1), ('b2', b2)):
+    if not 0.0 <= value < 1.0:
+      raise ValueError(f'scale_by_adams: {name}={value!r} must be in [0, 1).')
+  if eps < 0:
+    raise ValueError(f'scale_by_adams: eps={eps!r} must be >= 0.')
+
+  def init_fn(params):
+    mu = jax.tree.map(lambda p: jnp.zeros(p.shape, mu_dtype or p.dtype), params)
+    return ScaleByAdamSState(count=jnp.zeros([], jnp.int32), mu=mu)
+
+  def update_fn(updates, state, params=None):
+    del params
+    mu_prev = state.mu
+    mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, mu_prev, updates)
+    nu = jax.tree.map(lambda m, g: b2 * m * m + (1.0 - b2) * g * g,
+                      mu_prev, updates)
+    count = optax.safe_increment(state.count)
+    direction = bias_corrected_direction(mu, nu, count, b1=b1, b2=b2, eps=eps)
+    direction = jax.tree.map(lambda d, g: d.astype(g.dtype), direction, updates)
+    return direction, ScaleByAdamSState(count=count, mu=mu)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def adams(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+    weight_decay: float = 0.1,
+    mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+    mu_dtype: Optional[Any] = None,
+) -> optax.GradientTransformation:
+  """AdamS with decoupled weight decay: `w -= lr * (u + weight_decay * w)`.
+
+  Args:
+    learning_rate: a float or an optax schedule.
+    b1: decay rate of the first moment.
+    b2: weight of the previous first moment squared in the preconditioner.
+    eps: term added to the denominator for numerical stability.
+    weight_decay: decoupled weight-decay strength.
+    mask: optional tree (or callable) of bools selecting the leaves that get
+      weight decay, as in `optax.adamw`.
+    mu_dtype: optional dtype of the first moment.
+
+  Returns:
+    An `optax.GradientTransformation`: `scale_by_adams`, then weight decay,
+    then the learning rate.
+
+  References:
+    SCAPE paper, Section II-C; `docs/design.md` section 1.
+  """
+  return optax.chain(
+      scale_by_adams(b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype),
+      optax.add_decayed_weights(weight_decay, mask),
+      optax.scale_by_learning_rate(learning_rate),
+  )
+
+
+def pmean_gradients(axis_name: Optional[str] = 'data'
+                    ) -> optax.GradientTransformation:
+  """The dense data-parallel exchange: the mean of the gradients over `axis_name`.
+
+  Put it first in a chain to turn a dense optimizer into a data-parallel one
+  that is called inside `shard_map` with each worker's local gradients:
+  `optax.chain(pmean_gradients('data'), optax.adamw(...))`.
+
+  Args:
+    axis_name: the mesh axis of the data-parallel workers; `None` is a no-op.
+
+  Returns:
+    A stateless `optax.GradientTransformation`.
+  """
+
+  def update_fn(updates, state, params=None):
+    del params
+    if axis_name is not None:
+      updates = jax.lax.pmean(updates, axis_name)
+    return updates, state
+
+  return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)

@@ -1,0 +1,126 @@
+"""Partitioned top-k masks: chunk layout, selection and wire encodings.
+
+A compressed leaf of `size` elements is flattened row-major, padded to a
+multiple of N (the number of data-parallel workers) and split into N
+contiguous chunks of `c = ceil(size / N)` elements. Worker n owns chunk n and
+selects the top-k entries of |m~| inside it. A chunk mask is kept as a bitmap
+of `c` bits packed into little-endian uint32 words; on the wire it is sent
+either as that bitmap or as `k` int32 offsets within the chunk, whichever is
+smaller (`docs/design.md` section 3).
+
+These are the pure-jnp reference implementations.
+"""
+
+import dataclasses
+import fractions
+import math
+from typing import Tuple
+
+import jax
+import jax.numpy as jnp
+
+ENCODINGS = ('auto', 'bitmap', 'indices')
+
+
+def chunk_k(density: float, chunk: int) -> int:
+  """k = ceil(density * chunk), computed exactly on the decimal `density`."""
+  if not 0.0 < density <= 1.0:
+    raise ValueError(f'density={density!r} must be in (0, 1].')
+  k = math.ceil(fractions.Fraction(repr(float(density))) * chunk)
+  return max(1, min(chunk, k))
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+  """Static chunk layout of one compressed leaf over N workers."""
+  size: int  # real elements
+  num_chunks: int  # N
+  chunk: int  # c: elements per chunk, padding included
+
+  @classmethod
+  def create(cls, size: int, num_chunks: int) -> 'LeafLayout':
+    return cls(size=size, num_chunks=num_chunks, chunk=-(-size // num_chunks))
+
+  @property
+  def padded(self) -> int:
+    return self.chunk * self.num_chunks
+
+  @property
+  def words(self) -> int:
+    """uint32 words of one packed chunk bitmap."""
+    return -(-self.chunk // 32)
+
+  def encoding(self, k: int, requested: str) -> str:
+    """The wire encoding of this leaf's chunk masks at k entries per chunk."""
+    if requested == 'auto':
+      return 'indices' if k < self.words else 'bitmap'
+    return requested
+
+  def mask_words(self, k: int, requested: str) -> int:
+    """32-bit words one worker contributes to the mask all-gather."""
+    return k if self.encoding(k, requested) == 'indices' else self.words
+
+  def to_chunks(self, x: jax.Array) -> jax.Array:
+    """[*shape] -> [N, c], zero padded."""
+    flat = x.reshape(-1)
+    flat = jnp.pad(flat, (0, self.padded - self.size))
+    return flat.reshape(self.num_chunks, self.chunk)
+
+  def from_chunks(self, chunks: jax.Array, shape: Tuple[int, ...]) -> jax.Array:
+    return chunks.reshape(-1)[:self.size].reshape(shape)
+
+
+def pack_bits(bits: jax.Array) -> jax.Array:
+  """bool[..., c] -> uint32[..., ceil(c/32)], bit j in word j//32, bit j%32."""
+  c = bits.shape[-1]
+  words = -(-c // 32)
+  bits = jnp.pad(bits.astype(jnp.uint32),
+                 [(0, 0)] * (bits.ndim - 1) + [(0, words * 32 - c)])
+  bits = bits.reshape(*bits.shape[:-1], words, 32)
+  shifts = jnp.arange(32, dtype=jnp.uint32)
+  return jnp.sum(bits << shifts, axis=-1, dtype=jnp.uint32)
+
+
+def unpack_bits(words: jax.Array, c: int) -> jax.Array:
+  """uint32[..., w] -> bool[..., c], the inverse of `pack_bits`."""
+  shifts = jnp.arange(32, dtype=jnp.uint32)
+  bits = (words[..., None] >> shifts) & jnp.uint32(1)
+  return bits.reshape(*words.shape[:-1], -1)[..., :c].astype(bool)
+
+
+def bits_to_offsets(bits: jax.Array, k: int) -> jax.Array:
+  """bool[..., c] with k set bits per row -> int32[..., k] ascending offsets."""
+  flat = bits.reshape(-1, bits.shape[-1])
+  offs = jax.vmap(lambda b: jnp.nonzero(b, size=k, fill_value=0)[0])(flat)
+  return offs.astype(jnp.int32).reshape(*bits.shape[:-1], k)
+
+
+def offsets_to_bits(offsets: jax.Array, c: int) -> jax.Array:
+  """int32[..., k] -> bool[..., c]."""
+  flat = offsets.reshape(-1, offsets.shape[-1])
+  rows = jnp.arange(flat.shape[0])[:, None]
+  bits = jnp.zeros((flat.shape[0], c), bool).at[rows, flat].set(True)
+  return bits.reshape(*offsets.shape[:-1], c)
+
+
+def chunk_topk_bits(scores: jax.Array, valid: jax.Array, width: int,
+                    k: jax.Array) -> jax.Array:
+  """The k largest `scores` among `valid` positions of one chunk, as bits.
+
+  Args:
+    scores: float[c], non-negative (|m~|).
+    valid: bool[c], False at padding; padding is chosen only after every real
+      position, so a chunk with fewer than k real entries fills up with it.
+    width: static top-k width, >= every k this call may receive.
+    k: int32 scalar (may be traced), 1 <= k <= width.
+
+  Returns:
+    bool[c] with exactly k set bits. Ties go to the lower offset.
+  """
+  c = scores.shape[-1]
+  if width >= c:  # Dense: all positions in offset order of preference.
+    order = jnp.argsort(-jnp.where(valid, scores, -1.0), stable=True)
+  else:
+    _, order = jax.lax.top_k(jnp.where(valid, scores, -1.0), width)
+  keep = jnp.arange(order.shape[0]) < k
+  return jnp.zeros((c,), bool).at[order].set(keep)

@@ -1,0 +1,104 @@
+"""Independent NumPy re-implementations of AdamS and SCAPE (Algorithm 1).
+
+Written from `docs/design.md` sections 1-2 with plain loops over workers and
+chunks; they share no code with `scape_jax`.
+"""
+
+import math
+from fractions import Fraction
+
+import numpy as np
+
+
+def adams_reference(params, grads_seq, *, lr_fn, b1=0.9, b2=0.95, eps=1e-8,
+                    wd=0.1):
+  """Runs AdamS; yields the params (list of arrays) after every step."""
+  w = [p.astype(np.float32).copy() for p in params]
+  m = [np.zeros_like(p) for p in w]
+  for t, grads in enumerate(grads_seq, start=1):
+    lr = np.float32(lr_fn(t - 1))
+    for j, g in enumerate(grads):
+      m_prev = m[j]
+      m[j] = b1 * m_prev + (1 - b1) * g
+      v = b2 * m_prev**2 + (1 - b2) * g**2
+      u = (m[j] / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+      w[j] = w[j] - lr * (u + wd * w[j])
+    yield [x.copy() for x in w]
+
+
+def k_of(density, chunk):
+  return max(1, min(chunk, math.ceil(Fraction(repr(float(density))) * chunk)))
+
+
+class ScapeReference:
+  """N simulated workers running Algorithm 1 with partitioned chunk masks."""
+
+  def __init__(self, params, compressed, n, *, density, lr_fn, b1=0.9,
+               b2=0.95, eps=1e-8, wd=0.1, clip=None):
+    self.n, self.density, self.lr_fn = n, density, lr_fn
+    self.b1, self.b2, self.eps, self.wd, self.clip = b1, b2, eps, wd, clip
+    self.w = [p.astype(np.float32).copy() for p in params]
+    self.compressed = list(compressed)
+    self.m = [np.zeros_like(p) for p in self.w]
+    self.e = [[np.zeros_like(p) for p in self.w] for _ in range(n)]
+    # Global mask per leaf over the padded flat index space; M_0 = all ones.
+    self.chunk = [-(-p.size // n) for p in self.w]
+    self.mask = [np.ones(c * n, bool) for c in self.chunk]
+    self.t = 0
+
+  def _refresh(self, j, mts):
+    """Union over workers of each worker's top-k in its own chunk of |m~^n|."""
+    c, size = self.chunk[j], self.w[j].size
+    k = k_of(self.density, c)
+    new = np.zeros(c * self.n, bool)
+    for n in range(self.n):
+      flat = np.zeros(c * self.n, np.float32)
+      flat[:size] = np.abs(mts[n][j]).reshape(-1)
+      score = flat[n * c:(n + 1) * c].copy()
+      positions = np.arange(n * c, (n + 1) * c)
+      score[positions >= size] = -1.0  # padding goes last
+      order = np.argsort(-score, kind='stable')[:k]
+      new[n * c + order] = True
+    return new
+
+  def step(self, worker_grads):
+    """worker_grads[n][j]: worker n's gradient of leaf j; returns ||gbar||."""
+    self.t += 1
+    t, b1, b2 = self.t, self.b1, self.b2
+    mts = [[b1 * self.m[j] + (1 - b1) * worker_grads[n][j] + self.e[n][j]
+            for j in range(len(self.w))] for n in range(self.n)]
+    new_masks, gbar, bbar = [], [], []
+    for j, p in enumerate(self.w):
+      size = p.size
+      if self.compressed[j]:
+        in_m = self.mask[j][:size].reshape(p.shape)
+        new_masks.append(self._refresh(j, mts))
+      else:
+        in_m = np.ones(p.shape, bool)
+        new_masks.append(None)
+      payloads = []
+      for n in range(self.n):
+        payloads.append(np.where(in_m, mts[n][j], 0).astype(np.float32))
+        self.e[n][j] = np.where(in_m, 0, mts[n][j]).astype(np.float32)
+      b = np.mean(np.stack(payloads), axis=0, dtype=np.float32)
+      bbar.append(b)
+      gbar.append(np.where(in_m, (b - b1 * self.m[j]) / (1 - b1), 0))
+    norm = math.sqrt(sum(float(np.sum(g.astype(np.float64)**2)) for g in gbar))
+    if self.clip:
+      if norm > self.clip:
+        gbar = [g * np.float32(self.clip / norm) for g in gbar]
+    lr = np.float32(self.lr_fn(t - 1))
+    for j in range(len(self.w)):
+      v = b2 * self.m[j]**2 + (1 - b2) * gbar[j]**2
+      self.m[j] = bbar[j]
+      u = (self.m[j] / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + self.eps)
+      self.w[j] = (self.w[j] - lr * (u + self.wd * self.w[j])).astype(
+          np.float32)
+      if self.compressed[j]:
+        self.mask[j] = new_masks[j]
+    return norm
+
+  def chunk_mask(self, j, n):
+    """Worker n's own chunk mask of leaf j (bool[c]), as used next step."""
+    c = self.chunk[j]
+    return self.mask[j][n * c:(n + 1) * c]

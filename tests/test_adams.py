@@ -1,0 +1,60 @@
+"""AdamS against the NumPy reference of design note section 1."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import scape_jax
+from tests.reference import adams_reference
+
+
+def _problem(seed=0, steps=20):
+  rng = np.random.default_rng(seed)
+  params = [rng.normal(size=(5, 3)).astype(np.float32),
+            rng.normal(size=(4,)).astype(np.float32)]
+  grads = [[rng.normal(size=p.shape).astype(np.float32) for p in params]
+           for _ in range(steps)]
+  return params, grads
+
+
+def test_adams_matches_numpy_with_schedule_and_weight_decay():
+  params, grads = _problem()
+  schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, 20, 1e-3)
+  tx = scape_jax.adams(schedule, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+  p = [jnp.asarray(x) for x in params]
+  state = tx.init(p)
+  step = jax.jit(tx.update)
+  ref = adams_reference(params, grads, lr_fn=lambda i: float(schedule(i)),
+                        wd=0.1)
+  for g, want in zip(grads, ref):
+    u, state = step([jnp.asarray(x) for x in g], state, p)
+    p = optax.apply_updates(p, u)
+    for got, exp in zip(p, want):
+      np.testing.assert_allclose(np.asarray(got), exp, rtol=1e-5, atol=1e-7)
+
+
+def test_adams_differs_from_adam():
+  """AdamS's preconditioner uses m_{t-1}^2, not an EMA of g^2."""
+  params, grads = _problem(steps=3)
+  txs = scape_jax.scale_by_adams(), optax.scale_by_adam(b2=0.95)
+  outs = []
+  for tx in txs:
+    s = tx.init(params)
+    for g in grads:
+      u, s = tx.update(g, s)
+    outs.append(np.asarray(u[0]))
+  assert not np.allclose(outs[0], outs[1], rtol=1e-3)
+
+
+def test_adams_state_has_no_second_moment():
+  state = scape_jax.scale_by_adams().init({'w': jnp.zeros((3, 2))})
+  assert isinstance(state, scape_jax.ScaleByAdamSState)
+  assert set(state._fields) == {'count', 'mu'}
+
+
+@pytest.mark.parametrize('kwargs', [dict(b1=1.0), dict(b2=-0.1), dict(eps=-1)])
+def test_adams_rejects_bad_hyperparameters(kwargs):
+  with pytest.raises(ValueError, match=list(kwargs)[0]):
+    scape_jax.scale_by_adams(**kwargs)

@@ -1,0 +1,321 @@
+"""SCAPE (Algorithm 1) against AdamS and an independent NumPy simulation."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import scape_jax
+from scape_jax import masks
+from tests.reference import ScapeReference, adams_reference, k_of
+
+
+def _mesh(n):
+  return jax.make_mesh((n,), ('data',), devices=jax.devices()[:n])
+
+
+def _params(seed=0, shapes=None):
+  rng = np.random.default_rng(seed)
+  shapes = shapes or {'w1': (64, 40), 'w2': (13, 7), 'b': (7,), 's': (40,)}
+  return {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+
+
+def _worker_grads(params, n, steps, seed=1):
+  """Per step: {leaf: float32[n, *shape]}, different on every worker."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(steps):
+    out.append({k: (rng.normal(size=p.shape) +
+                    rng.normal(size=(n,) + p.shape) * 0.5).astype(np.float32)
+                for k, p in params.items()})
+  return out
+
+
+class Runner:
+  """Runs `tx` on an n-worker mesh with shard_map, one program per level."""
+
+  def __init__(self, tx, params, n):
+    self.tx, self.mesh, self.n = tx, _mesh(n), n
+    with jax.set_mesh(self.mesh):
+      state = tx.init(params)
+    self.specs = scape_jax.state_partition_specs(state)
+    self.state = jax.device_put(
+        state, jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs))
+    self.params = jax.device_put(params, NamedSharding(self.mesh, P()))
+    self.traces = 0
+
+  @functools.cache
+  def _step(self, level):
+
+    def step(p, s, g):
+      self.traces += 1
+      g = jax.tree.map(lambda x: x[0], g)
+      kw = {} if level is None else {'density_level': level}
+      u, s = self.tx.update(g, s, p, **kw)
+      return optax.apply_updates(p, u), s
+
+    return jax.jit(jax.shard_map(
+        step, mesh=self.mesh, in_specs=(P(), self.specs, P('data')),
+        out_specs=(P(), self.specs)))
+
+  def step(self, grads, level=None):
+    g = jax.device_put(grads, NamedSharding(self.mesh, P('data')))
+    self.params, self.state = self._step(level)(self.params, self.state, g)
+
+
+def _scape_state(state):
+  return state[0]
+
+
+def test_density_one_equals_adams_on_mean_gradient():
+  params = _params()
+  grads = _worker_grads(params, 8, 20)
+  tx = scape_jax.scape(1e-2, density=1.0, clip_norm=None)
+  run = Runner(tx, params, 8)
+  ref = scape_jax.adams(1e-2)
+  rp = {k: jnp.asarray(v) for k, v in params.items()}
+  rs = ref.init(rp)
+  for g in grads:
+    run.step(g)
+    u, rs = ref.update(jax.tree.map(lambda x: x.mean(0), g), rs, rp)
+    rp = optax.apply_updates(rp, u)
+    for k in params:
+      np.testing.assert_allclose(np.asarray(run.params[k]), rp[k],
+                                 rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('density', [0.1, 0.01])
+def test_matches_numpy_simulation_of_algorithm_1(density):
+  params = _params()
+  n, steps, clip = 8, 20, 2.0
+  grads = _worker_grads(params, n, steps)
+  names = sorted(params)  # jax flattens dicts in sorted key order
+  compressed = [params[k].ndim >= 2 for k in names]
+  lr_fn = optax.linear_schedule(1e-2, 1e-3, steps)
+  tx = scape_jax.scape(lr_fn, density=density, clip_norm=clip)
+  run = Runner(tx, params, n)
+  ref = ScapeReference([params[k] for k in names], compressed, n,
+                       density=density, lr_fn=lambda i: float(lr_fn(i)),
+                       clip=clip)
+  clipped = 0
+  for g in grads:
+    run.step(g)
+    clipped += ref.step([[g[k][w] for k in names] for w in range(n)]) > clip
+    st = _scape_state(run.state)
+    for j, k in enumerate(names):
+      np.testing.assert_allclose(np.asarray(run.params[k]), ref.w[j],
+                                 rtol=2e-5, atol=2e-6, err_msg=k)
+      np.testing.assert_allclose(np.asarray(st.mu[k]), ref.m[j],
+                                 rtol=2e-5, atol=2e-6, err_msg=k)
+      if not compressed[j]:
+        continue
+      c = ref.chunk[j]
+      bits = np.asarray(masks.unpack_bits(st.mask[k], c))
+      for w in range(n):
+        np.testing.assert_allclose(np.asarray(st.residual[k])[w], ref.e[w][j],
+                                   rtol=2e-5, atol=2e-6, err_msg=k)
+        np.testing.assert_array_equal(bits[w], ref.chunk_mask(j, w))
+  # The test must exercise sparsity and clipping, not only the dense path.
+  assert float(st.density) == pytest.approx(density)
+  assert float(jnp.mean(st.residual_norm)) > 0
+  assert clipped > steps // 2
+
+
+@pytest.mark.parametrize('n', [1, 2, 4, 8])
+def test_chunk_mask_invariants(n):
+  shapes = {'a': (10, 3), 'b': (7, 5), 'c': (33,), 'n': (5,)}
+  params = _params(2, shapes)
+  compress = {'a': True, 'b': True, 'c': True, 'n': False}
+  density = 0.3
+  tx = scape_jax.scape(1e-2, density=density, compress=compress)
+  run = Runner(tx, params, n)
+  for g in _worker_grads(params, n, 3, seed=3):
+    run.step(g)
+  st = _scape_state(run.state)
+  assert isinstance(st.residual['n'], optax.MaskedNode)
+  assert np.all(np.asarray(st.mu['n']) != 0)  # dense leaf: mask of all ones
+  for name in ('a', 'b', 'c'):
+    size = params[name].size
+    c = -(-size // n)
+    k = k_of(density, c)
+    bits = np.asarray(masks.unpack_bits(st.mask[name], c))
+    assert bits.shape == (n, c)
+    union = np.zeros(c * n, int)
+    for w in range(n):
+      assert bits[w].sum() == k  # static shape: exactly k, padding included
+      real = max(0, min(c, size - w * c))
+      assert bits[w][:real].sum() == min(k, real)
+      union[w * c:(w + 1) * c] += bits[w]
+    assert union.max() <= 1  # disjoint by construction
+    assert union[:size].sum() == sum(
+        min(k, max(0, min(c, size - w * c))) for w in range(n))
+
+
+def test_wire_bytes_from_compiled_step():
+  from scape_jax import comm
+  params = _params(0, {'w1': (256, 64), 'w2': (128, 96), 'b': (64,),
+                       's': (96,)})
+  n, density = 8, 0.01
+  for encoding in ('bitmap', 'indices', 'auto'):
+    tx = scape_jax.scape(1e-2, density=density, mask_encoding=encoding)
+    run = Runner(tx, params, n)
+    grads = jax.tree.map(
+        lambda p: jax.ShapeDtypeStruct((n,) + p.shape, jnp.float32,
+                                       sharding=NamedSharding(run.mesh,
+                                                              P('data'))),
+        params)
+    cols = comm.collectives(run._step(1), run.params, run.state, grads)
+    selected, words = 0, 0
+    for name in ('w1', 'w2'):
+      lay = masks.LeafLayout.create(params[name].size, n)
+      k = k_of(density, lay.chunk)
+      selected += n * k
+      words += lay.mask_words(k, encoding)
+    dense = params['b'].size + params['s'].size
+    reduce = [c for c in cols if c.kind == 'all-reduce']
+    gather = [c for c in cols if c.kind == 'all-gather']
+    assert sum(c.elements for c in reduce) <= 1.05 * (selected + dense)
+    assert sum(c.elements for c in reduce) >= selected + dense
+    smallest = min(params['w1'].size, params['w2'].size)
+    assert all(c.elements < smallest for c in cols), comm.format_table(cols)
+    assert len(gather) == 1 and gather[0].elements == n * words
+    assert gather[0].dtype in ('u32', 's32')
+  # At 1% auto sends offsets: k words per leaf instead of c/32.
+  assert encoding == 'auto' and words == k_of(density, 2048) + k_of(
+      density, 1536) < (2048 + 1536) // 32
+
+
+def test_density_warmup_compiles_one_program_per_level():
+  params = _params(0, {'w': (64, 40), 'b': (40,)})
+  warmup = 100
+  sched = scape_jax.DensitySchedule(0.01, warmup)
+  assert len(sched.levels) <= 8
+  assert sched.levels[0] == 1.0 and sched.levels[-1] == 0.01
+  assert all(a > b for a, b in zip(sched.levels, sched.levels[1:]))
+  tx = scape_jax.scape(1e-3, density=0.01, density_warmup_steps=warmup)
+  run = Runner(tx, params, 8)
+  grads = _worker_grads(params, 8, 1)[0]
+  seen = []
+  for step in range(warmup + 5):
+    level = sched.level(step)
+    run.step(grads, level)
+    seen.append(float(_scape_state(run.state).density))
+  assert run.traces == len(sched.levels) <= 8
+  assert seen[0] == 1.0 and seen[-1] == pytest.approx(0.01)
+  assert all(a >= b for a, b in zip(seen, seen[1:]))
+
+
+def test_switch_fallback_equals_static_levels():
+  params = _params(0, {'w': (24, 10), 'b': (10,)})
+  grads = _worker_grads(params, 4, 8)
+  tx = scape_jax.scape(1e-2, density=0.1, density_warmup_steps=4)
+  sched = scape_jax.DensitySchedule(0.1, 4)
+  a, b = Runner(tx, params, 4), Runner(tx, params, 4)
+  for i, g in enumerate(grads):
+    a.step(g, sched.level(i))
+    b.step(g)  # no density_level: lax.switch on the state's count
+  for x, y in zip(jax.tree.leaves((a.params, a.state)),
+                  jax.tree.leaves((b.params, b.state))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_composes_with_optax_chain_and_clipping():
+  params = _params(0, {'w': (16, 8), 'b': (8,)})
+  grads = _worker_grads(params, 8, 3)
+  chained = optax.chain(optax.clip_by_global_norm(0.1),
+                        scape_jax.scape(1e-2, density=0.25))
+  plain = scape_jax.scape(1e-2, density=0.25)
+  a, b = Runner(chained, params, 8), Runner(plain, params, 8)
+  for g in grads:
+    a.step(g)
+    clipped = {}
+    for k in g:
+      clipped[k] = g[k].copy()
+    norms = np.sqrt(sum(np.sum(g[k]**2, axis=tuple(range(1, g[k].ndim)))
+                        for k in g))
+    for k in g:
+      shape = (-1,) + (1,) * (g[k].ndim - 1)
+      clipped[k] = (g[k] * np.minimum(1, 0.1 / norms).reshape(shape)).astype(
+          np.float32)
+    b.step(clipped)
+  for k in params:
+    np.testing.assert_allclose(np.asarray(a.params[k]),
+                               np.asarray(b.params[k]), rtol=1e-5, atol=1e-7)
+
+
+def test_inject_hyperparams_learning_rate():
+  params = _params(0, {'w': (16, 8), 'b': (8,)})
+  grads = _worker_grads(params, 8, 2)
+  injected = optax.inject_hyperparams(
+      scape_jax.scape, static_args=('density', 'density_warmup_steps'))(
+          learning_rate=0.5, density=0.25)
+  a = Runner(injected, params, 8)
+  a.state.hyperparams['learning_rate'] = jnp.asarray(1e-2)
+  b = Runner(scape_jax.scape(1e-2, density=0.25), params, 8)
+  for g in grads:
+    a.step(g)
+    b.step(g)
+  for k in params:
+    np.testing.assert_allclose(np.asarray(a.params[k]),
+                               np.asarray(b.params[k]), rtol=1e-5, atol=1e-7)
+
+
+def test_state_type_is_stable_and_init_is_abstract():
+  params = _params(0, {'w': (16, 8), 'b': (8,)})
+  tx = scape_jax.scape(1e-2, density=0.25)
+  mesh = _mesh(8)
+
+  def body(p, g):
+    s0 = tx.init(p)
+    _, s1 = tx.update(jax.tree.map(lambda x: x[0], g), s0, p)
+    assert jax.tree.map(jax.typeof, s0) == jax.tree.map(jax.typeof, s1)
+    return p
+
+  g = jax.device_put(_worker_grads(params, 8, 1)[0],
+                     NamedSharding(mesh, P('data')))
+  p = jax.device_put(params, NamedSharding(mesh, P()))
+  jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P('data')),
+                        out_specs=P()))(p, g)
+
+  single = scape_jax.scape(1e-2, density=0.25, axis_name=None)
+  s0 = single.init(params)
+  _, s1 = single.update(params, s0, params)
+  _, s2 = jax.jit(single.update)(params, s0, params)
+  types = [jax.tree.map(jax.typeof, s) for s in (s0, s1, s2)]
+  assert types[0] == types[1] == types[2]
+
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          params)
+  with jax.set_mesh(mesh):
+    shapes = jax.eval_shape(tx.init, abstract)
+  assert shapes[0].residual['w'].shape == (8, 16, 8)
+  assert shapes[0].mask['w'].shape == (8, 1)  # 128 / 8 = 16 bits -> 1 word
+
+
+@pytest.mark.parametrize('density', [0.0, -0.1, 1.5])
+def test_rejects_density_outside_unit_interval(density):
+  with pytest.raises(ValueError, match=r'density=.*\(0, 1\]'):
+    scape_jax.scape(1e-2, density=density)
+
+
+def test_rejects_unbound_axis():
+  tx = scape_jax.scape(1e-2, density=0.1, axis_name='data')
+  with pytest.raises(ValueError, match="axis_name='data' is not bound"):
+    tx.init({'w': jnp.zeros((4, 4))})
+
+
+def test_rejects_mismatched_compress_tree():
+  tx = scape_jax.scape(1e-2, density=0.1, axis_name=None,
+                       compress={'w': True})
+  with pytest.raises(ValueError, match='compress tree does not match'):
+    tx.init({'w': jnp.zeros((4, 4)), 'b': jnp.zeros((4,))})
+
+
+def test_rejects_bad_mask_encoding():
+  with pytest.raises(ValueError, match="mask_encoding='zip'"):
+    scape_jax.scape(1e-2, density=0.1, mask_encoding='zip')
