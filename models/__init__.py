@@ -1,0 +1,82 @@
+"""Model zoo: GPT-2 and Llama families (Flax NNX), presets and helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from models.gpt import GPT, GPTConfig
+from models.layers import LOGICAL_AXES, SHARDING_KEY, count_params, logical_axes
+from models.llama import Llama, LlamaConfig
+
+__all__ = [
+    'GPT', 'GPTConfig', 'Llama', 'LlamaConfig', 'LOGICAL_AXES', 'PRESETS',
+    'SHARDING_KEY', 'build', 'get_config', 'logical_axes', 'pad_vocab',
+    'param_count',
+]
+
+Config = GPTConfig | LlamaConfig
+
+
+def pad_vocab(vocab_size: int, multiple: int = 128) -> int:
+  """Rounds `vocab_size` up to a multiple of `multiple`."""
+  return -(-vocab_size // multiple) * multiple
+
+
+PRESETS: dict[str, Config] = {
+    'gpt-tiny': GPTConfig(
+        vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4,
+        d_ff=256),
+    'gpt345m': GPTConfig(
+        vocab_size=pad_vocab(50257), max_seq_len=1024, d_model=1024,
+        n_layers=24, n_heads=16, d_ff=4096),
+    'llama-tiny': LlamaConfig(
+        vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4,
+        n_kv_heads=2, d_ff=192),
+    # H2O-Danube3-500M shape.
+    'llama500m': LlamaConfig(
+        vocab_size=32000, max_seq_len=2048, d_model=1536, n_layers=16,
+        n_heads=16, n_kv_heads=8, d_ff=4096),
+    # H2O-Danube-1.8B shape.
+    'llama1.8b': LlamaConfig(
+        vocab_size=32000, max_seq_len=2048, d_model=2560, n_layers=24,
+        n_heads=32, n_kv_heads=8, d_ff=6912),
+}
+
+
+def get_config(name: str, **overrides: Any) -> Config:
+  """Returns preset `name` with dataclass fields replaced by `overrides`."""
+  if name not in PRESETS:
+    raise ValueError(
+        f'unknown model {name!r}; allowed: {", ".join(sorted(PRESETS))}')
+  cfg = PRESETS[name]
+  fields = {f.name for f in dataclasses.fields(cfg)}
+  unknown = sorted(set(overrides) - fields)
+  if unknown:
+    raise ValueError(
+        f'unknown config field(s) {unknown} for {name!r}; allowed: '
+        f'{sorted(fields)}')
+  if isinstance(cfg, GPTConfig) and 'n_heads' in overrides:
+    overrides.setdefault('n_kv_heads', overrides['n_heads'])
+  return dataclasses.replace(cfg, **overrides)
+
+
+def build(cfg: Config, *, rngs: nnx.Rngs, dtype: Any = jnp.bfloat16,
+          param_dtype: Any = jnp.float32) -> nnx.Module:
+  """Instantiates the model for `cfg` (params in `param_dtype`)."""
+  if isinstance(cfg, GPTConfig):
+    return GPT(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+  if isinstance(cfg, LlamaConfig):
+    return Llama(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+  raise TypeError(f'unsupported config type {type(cfg).__name__}')
+
+
+@functools.lru_cache(maxsize=None)
+def param_count(cfg: Config) -> int:
+  """Number of parameters, from abstract shapes only (nothing allocated)."""
+  model = nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(0)))
+  return count_params(nnx.state(model, nnx.Param))

@@ -1,0 +1,203 @@
+"""Shared building blocks: initializers with logical axes, RoPE, attention.
+
+Every parameter is annotated with logical axis names from `LOGICAL_AXES` via
+`nnx.with_partitioning`. In flax 0.12.8 the names land in the Variable
+metadata under the key `out_sharding`. Eager sharding is switched off for
+these parameters, so models build without a mesh; the trainer maps logical
+names to mesh axes itself (see `logical_axes`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# The only logical axis names a parameter may carry (besides None).
+LOGICAL_AXES = ('vocab', 'embed', 'mlp', 'heads', 'kv', 'pos')
+
+# Metadata key under which flax 0.12.8 stores `with_partitioning` names.
+SHARDING_KEY = 'out_sharding'
+
+ATTN_IMPLS = ('xla', 'jax', 'cudnn')
+
+Names = tuple[str | None, ...]
+
+
+def init(initializer: Any, names: Names) -> Any:
+  """Wraps `initializer` so the created Param carries logical axis `names`."""
+  for n in names:
+    if n is not None and n not in LOGICAL_AXES:
+      raise ValueError(f'unknown logical axis {n!r}; allowed: {LOGICAL_AXES}')
+  return nnx.with_partitioning(initializer, names, eager_sharding=False)
+
+
+def normal(std: float, names: Names) -> Any:
+  """Normal(0, std) initializer annotated with logical axis `names`."""
+  return init(nnx.initializers.normal(std), names)
+
+
+def zeros(names: Names) -> Any:
+  return init(nnx.initializers.zeros_init(), names)
+
+
+def ones(names: Names) -> Any:
+  return init(nnx.initializers.ones_init(), names)
+
+
+def linear(
+    d_in: int,
+    d_out: int,
+    names: tuple[str | None, str | None],
+    *,
+    std: float,
+    use_bias: bool,
+    dtype: Any,
+    param_dtype: Any,
+    rngs: nnx.Rngs,
+) -> nnx.Linear:
+  """Dense layer with normal(std) kernel, zero bias and logical axes."""
+  return nnx.Linear(
+      d_in,
+      d_out,
+      use_bias=use_bias,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      kernel_init=normal(std, names),
+      bias_init=zeros((names[1],)),
+      rngs=rngs,
+  )
+
+
+# ----------------------------------------------------------------------------
+# Rotary position embeddings (HF Llama "rotate-half" convention).
+# ----------------------------------------------------------------------------
+
+
+def rope_cos_sin(
+    positions: jax.Array, head_dim: int, theta: float
+) -> tuple[jax.Array, jax.Array]:
+  """cos/sin tables, fp32[T, head_dim], for integer `positions` [T]."""
+  if head_dim % 2:
+    raise ValueError(f'RoPE needs an even head_dim, got {head_dim}')
+  exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+  inv_freq = 1.0 / (theta**exponents)  # [D/2]
+  freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, D]
+  return jnp.cos(emb), jnp.sin(emb)
+
+
+def rotate_half(x: jax.Array) -> jax.Array:
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """Rotates x [B, T, H, D] by cos/sin [T, D]; math in fp32, returns x.dtype."""
+  xf = x.astype(jnp.float32)
+  cos = cos[None, :, None, :]
+  sin = sin[None, :, None, :]
+  return (xf * cos + rotate_half(xf) * sin).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------
+# Causal (grouped-query) attention.
+# ----------------------------------------------------------------------------
+
+
+def causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str = 'xla'
+) -> jax.Array:
+  """Causal softmax attention with grouped K/V heads.
+
+  Args:
+    q: [B, T, H, D] queries.
+    k: [B, T, K, D] keys, H % K == 0; query head h uses kv head h // (H // K)
+      (the same mapping as HF `repeat_kv`).
+    v: [B, T, K, D] values.
+    impl: 'xla' (einsum, fp32 softmax), 'jax' (`jax.nn.dot_product_attention`,
+      backend picked by JAX) or 'cudnn' (its cuDNN flash kernel, GPU only).
+
+  Returns:
+    [B, T, H, D] in q.dtype.
+  """
+  b, t, h, d = q.shape
+  kvh = k.shape[2]
+  if h % kvh:
+    raise ValueError(f'n_heads={h} is not a multiple of n_kv_heads={kvh}')
+  if impl in ('jax', 'cudnn'):
+    return jax.nn.dot_product_attention(
+        q, k, v, is_causal=True,
+        implementation=None if impl == 'jax' else 'cudnn')
+  if impl != 'xla':
+    raise ValueError(f'unknown attention impl {impl!r}; allowed: {ATTN_IMPLS}')
+  qg = q.reshape(b, t, kvh, h // kvh, d)
+  scores = jnp.einsum(
+      'btkgd,bskd->bkgts', qg, k, preferred_element_type=jnp.float32)
+  scores = scores * (d**-0.5)
+  mask = jnp.tril(jnp.ones((t, t), dtype=jnp.bool_))
+  scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum('bkgts,bskd->btkgd', probs, v)
+  return out.reshape(b, t, h, d)
+
+
+# ----------------------------------------------------------------------------
+# Helpers shared by the model families.
+# ----------------------------------------------------------------------------
+
+
+def check_seq_len(tokens: jax.Array, max_seq_len: int) -> None:
+  if tokens.ndim != 2:
+    raise ValueError(f'tokens must be [B, T], got shape {tokens.shape}')
+  if tokens.shape[1] > max_seq_len:
+    raise ValueError(
+        f'sequence length {tokens.shape[1]} > max_seq_len {max_seq_len}')
+
+
+def run_block(block: nnx.Module, x: jax.Array, remat: bool) -> jax.Array:
+  """Applies `block` to `x`, under `nnx.remat` when `remat` is True."""
+  if remat:
+    return nnx.remat(lambda blk, y: blk(y))(block, x)
+  return block(x)
+
+
+def _names_of(var: nnx.Variable) -> Names:
+  names = var.get_metadata().get(SHARDING_KEY)
+  ndim = jnp.ndim(var.get_value())
+  if names is None:
+    return (None,) * ndim
+  names = tuple(names)
+  if len(names) != ndim:
+    raise ValueError(f'axis names {names} do not match ndim {ndim}')
+  return names
+
+
+def logical_axes(model_or_state: nnx.Module | nnx.State) -> nnx.State:
+  """Logical axis names of every Param.
+
+  Args:
+    model_or_state: a model, or a State of Variables (e.g. from
+      `nnx.state(model, nnx.Param)`, abstract states from `nnx.eval_shape`
+      included).
+
+  Returns:
+    A State with the structure of `nnx.state(model, nnx.Param)` whose leaves
+    are tuples of logical names (None allowed), one entry per array dim.
+    Tuples are themselves pytrees, so map over it with
+    `jax.tree.map(f, axes, ..., is_leaf=lambda x: isinstance(x, tuple))`.
+  """
+  if isinstance(model_or_state, nnx.Module):
+    state = nnx.state(model_or_state, nnx.Param)
+  else:
+    state = model_or_state
+  return jax.tree.map(
+      _names_of, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def count_params(state: Any) -> int:
+  """Total number of elements in a (possibly abstract) state."""
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(state))

@@ -1,0 +1,419 @@
+"""Bytes on the wire, read from the compiled program.
+
+Compiles a jitted function, reads the optimized (post-SPMD-partitioning) HLO
+text and lists every collective with its dtype, per-device element count,
+replica-group size N and the number of times it executes per call. The bytes
+each device sends are then derived from the standard ring algorithms:
+
+  all-reduce          2 (N-1)/N * S   (S = the reduced buffer)
+  all-gather            (N-1)/N * S   (S = the gathered output buffer)
+  reduce-scatter        (N-1)/N * S   (S = the input buffer)
+  all-to-all            (N-1)/N * S
+  collective-permute            S
+
+Collectives inside `while` bodies are multiplied by the trip count XLA
+recorded (`known_trip_count`), through nested loops. When that is missing, or
+a collective sits in a `conditional` branch, its count is `None`: it is listed
+with a note, left out of the totals, and `format_table` says the total is
+incomplete. Nothing is guessed.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from typing import Any, Callable
+
+import jax
+
+KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all',
+         'collective-permute')
+
+_DTYPE_BYTES = {
+    'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'bf16': 2, 'f16': 2,
+    's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8,
+    'c128': 16, 's4': 0.5, 'u4': 0.5, 'f4e2m1fn': 0.5, 's2': 0.25, 'u2': 0.25,
+}
+
+NOTE_TRIP_UNKNOWN = 'trip count unknown'
+NOTE_IN_BRANCH = 'in conditional branch'
+NOTE_UNREACHABLE = 'not reachable from ENTRY'
+
+
+def dtype_bytes(dtype: str) -> float:
+  """Bytes per element of an HLO primitive type ('f32', 'bf16', ...)."""
+  if dtype in _DTYPE_BYTES:
+    return _DTYPE_BYTES[dtype]
+  if dtype.startswith('f8'):
+    return 1
+  raise ValueError(f'unknown HLO dtype {dtype!r}')
+
+
+def ring_all_reduce_bytes(nbytes: float, n: int) -> float:
+  """Ring all-reduce of an `nbytes` buffer over `n` devices."""
+  return 0.0 if n <= 1 else 2.0 * (n - 1) / n * nbytes
+
+
+def ring_all_gather_bytes(full_nbytes: float, n: int) -> float:
+  """Ring all-gather whose gathered (output) buffer is `full_nbytes`."""
+  return 0.0 if n <= 1 else (n - 1) / n * full_nbytes
+
+
+def ring_reduce_scatter_bytes(full_nbytes: float, n: int) -> float:
+  """Ring reduce-scatter whose input buffer is `full_nbytes`."""
+  return 0.0 if n <= 1 else (n - 1) / n * full_nbytes
+
+
+# Bytes one device sends for one execution, by kind, from (S bytes, N).
+_RING = {
+    'all-reduce': ring_all_reduce_bytes,
+    'all-gather': ring_all_gather_bytes,
+    'reduce-scatter': ring_reduce_scatter_bytes,
+    'all-to-all': ring_reduce_scatter_bytes,  # Same (N-1)/N * S volume.
+    'collective-permute': lambda s, n: 0.0 if n <= 1 else float(s),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective of a compiled program (per-device view)."""
+  kind: str  # One of KINDS.
+  dtype: str  # HLO dtype, e.g. 'f32', 'bf16'.
+  elements: int  # Per-device element count of the buffer S (see module doc).
+  group_size: int  # N, devices per replica group.
+  count: int | None  # Executions per call; None = could not be determined.
+  name: str  # HLO instruction name.
+  note: str = ''
+
+  @property
+  def bytes(self) -> int:
+    """Size of the buffer S in bytes."""
+    return int(math.ceil(self.elements * dtype_bytes(self.dtype)))
+
+  @property
+  def bytes_sent(self) -> float:
+    """Bytes each device sends per call (0 if the count is unknown)."""
+    if self.count is None:
+      return 0.0
+    return _RING[self.kind](self.bytes, self.group_size) * self.count
+
+
+def bytes_sent(cols: list[Collective]) -> float:
+  """Total bytes sent per device per call, over rows with a known count.
+
+  Rows with `count=None` are excluded; check `any(c.count is None ...)` (or use
+  `format_table`) to know whether the total is complete.
+  """
+  return float(sum(c.bytes_sent for c in cols if c.count is not None))
+
+
+_COMMENT_RE = re.compile(r'/\*.*?\*/')
+_STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
+_HEADER_RE = re.compile(
+    r'^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$')
+_INSTR_RE = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$')
+_OPCODE_RE = re.compile(r'\s*([\w\-]+)\(')
+_LEAF_RE = re.compile(r'\b([a-z][a-z0-9]*)\[([^\]]*)\]')
+_TRIP_RE = re.compile(r'known_trip_count\W+n\W+(\d+)')
+_CALL_RE = re.compile(
+    r'\b(calls|to_apply|body|condition|branch_computations|true_computation|'
+    r'false_computation|called_computations)=(\{[^}]*\}|%?[\w.\-]+)')
+_IOTA_RE = re.compile(r'\[([\d,\s]+)\]<=\[[\d,\s]+\](?:T\([\d,\s]+\))?')
+_PAIR_RE = re.compile(r'\{\s*(\d+)\s*,\s*(\d+)\s*\}')
+
+
+@dataclasses.dataclass
+class _Instr:
+  name: str
+  shape: str
+  opcode: str
+  operands: list[str]  # Raw operand texts ('%x' or 'f32[8] %x').
+  attrs: str  # Attribute text with quoted strings blanked out.
+  trip: int | None  # known_trip_count (while only).
+
+
+def _close(s: str, i: int) -> int:
+  """Index just past the bracket group opening at s[i]."""
+  closing = {'(': ')', '{': '}', '[': ']'}
+  stack = []
+  for j in range(i, len(s)):
+    if s[j] in closing:
+      stack.append(closing[s[j]])
+    elif stack and s[j] == stack[-1]:
+      stack.pop()
+      if not stack:
+        return j + 1
+  return len(s)
+
+
+def _split_top(s: str) -> list[str]:
+  """Splits `s` at commas outside brackets."""
+  out, depth, start = [], 0, 0
+  for j, ch in enumerate(s):
+    if ch in '({[':
+      depth += 1
+    elif ch in ')}]':
+      depth -= 1
+    elif ch == ',' and depth == 0:
+      out.append(s[start:j])
+      start = j + 1
+  out.append(s[start:])
+  return [p.strip() for p in out if p.strip()]
+
+
+def _leaves(shape: str) -> list[tuple[str, int]]:
+  """(dtype, elements) of every array in an HLO shape string."""
+  return [(dtype, math.prod(int(d.strip().lstrip('<=')) for d in
+                            dims.split(',') if d.strip()))
+          for dtype, dims in _LEAF_RE.findall(shape)]
+
+
+def _parse_instr(line: str) -> _Instr | None:
+  m = _INSTR_RE.match(line)
+  if not m:
+    return None
+  trip = _TRIP_RE.search(line)
+  rest = _STRING_RE.sub('""', _COMMENT_RE.sub('', m.group(2)))
+  if rest.startswith('('):
+    end = _close(rest, 0)
+  else:
+    end = len(rest.split(None, 1)[0]) if rest.strip() else 0
+  shape, rest = rest[:end], rest[end:]
+  op = _OPCODE_RE.match(rest)
+  if not op:
+    return None
+  open_paren = op.end() - 1
+  end = _close(rest, open_paren)
+  return _Instr(m.group(1), shape, op.group(1),
+                _split_top(rest[open_paren + 1:end - 1]), rest[end:],
+                int(trip.group(1)) if trip else None)
+
+
+def _attr_value(attrs: str, key: str) -> str | None:
+  """Raw value of `key=` in an attribute string (bracket-balanced)."""
+  m = re.search(r'\b' + re.escape(key) + r'=', attrs)
+  if not m:
+    return None
+  i = m.end()
+  if i < len(attrs) and attrs[i] in '{[(':
+    end = _close(attrs, i)
+    if attrs[i] == '[':  # Iota form: [2,4]<=[8]T(1,0).
+      im = _IOTA_RE.match(attrs, i)
+      end = im.end() if im else end
+    return attrs[i:end]
+  if attrs.startswith('mesh', i) or attrs.startswith('maximal_mesh', i):
+    brace = attrs.find('{', i)
+    return attrs[i:_close(attrs, brace)] if brace >= 0 else attrs[i:]
+  return attrs[i:].split(',', 1)[0]
+
+
+def _mesh_group_size(value: str) -> int:
+  """Group size of `mesh['a'=2,'b'=4] {'b'}` (sub-axes: 'a':(1)2)."""
+  if value.startswith('maximal_mesh'):
+    return 1
+  sizes = dict(re.findall(r"'?([^'=,\s\[\]]+)'?\s*=\s*(\d+)",
+                          value[value.find('[') + 1:value.find(']')]))
+  axes = value[value.rfind('{') + 1:value.rfind('}')]
+  n = 1
+  for ax in _split_top(axes):
+    sub = re.match(r"'?([^':]+)'?\s*:\s*\(\d+\)(\d+)", ax)
+    n *= int(sub.group(2)) if sub else int(sizes[ax.strip("' ")])
+  return n
+
+
+def _group_size(ins: _Instr, base: str, num_devices: int) -> tuple[int, str]:
+  """(N, note) for a collective instruction."""
+  if base == 'collective-permute':
+    pairs = _PAIR_RE.findall(
+        _attr_value(ins.attrs, 'source_target_pairs') or '')
+    devices = {d for a, b in pairs if a != b for d in (a, b)}
+    return max(len(devices), 1), ''  # Self-pairs only: nothing moves.
+  value = _attr_value(ins.attrs, 'replica_groups')
+  if value is None or re.fullmatch(r'\{\s*\}', value):
+    return num_devices, ''
+  if value.startswith('['):
+    return [int(d) for d in _IOTA_RE.match(value).group(1).split(',')][-1], ''
+  if value.startswith(('mesh', 'maximal_mesh')):
+    return _mesh_group_size(value), ''
+  sizes = [len([x for x in g.split(',') if x.strip()])
+           for g in re.findall(r'\{([\d,\s]*)\}', value[1:-1])]
+  if not sizes:
+    return num_devices, ''
+  note = '' if len(set(sizes)) == 1 else 'non-uniform groups, max size used'
+  return max(sizes), note
+
+
+class _Module:
+  """Computations, instructions and the call graph of an HLO module."""
+
+  def __init__(self, hlo_text: str):
+    self.comps: dict[str, list[_Instr]] = {}
+    self.entry: str | None = None
+    current = None
+    for line in hlo_text.splitlines():
+      h = _HEADER_RE.match(line)
+      if h and not line.lstrip().startswith('HloModule'):
+        current = h.group(2)
+        self.comps[current] = []
+        if h.group(1):
+          self.entry = current
+        continue
+      ins = _parse_instr(line)
+      if ins is not None:
+        if current is None:  # Bare instruction list: one implicit ENTRY.
+          current = self.entry = '__entry__'
+          self.comps[current] = []
+        self.comps[current].append(ins)
+    self.shapes = {i.name: i.shape for c in self.comps.values() for i in c}
+    self._counts: dict[str, tuple[int | None, frozenset[str]]] = {}
+    # callee -> [(caller, edge kind, trip count)]
+    self.callers = collections.defaultdict(list)
+    for comp, instrs in self.comps.items():
+      for ins in instrs:
+        if ins.opcode in ('async-update', 'async-done'):
+          continue  # The computation is counted once, at async-start.
+        for key, val in _CALL_RE.findall(ins.attrs):
+          for callee in re.findall(r'%?([\w.\-]+)', val):
+            if key == 'body':
+              edge = ('loop', ins.trip)
+            elif key == 'condition':
+              edge = ('loop', None if ins.trip is None else ins.trip + 1)
+            elif key in ('branch_computations', 'true_computation',
+                         'false_computation'):
+              edge = ('branch', None)
+            else:
+              edge = ('call', 1)
+            self.callers[callee].append((comp,) + edge)
+
+  def count(self, comp: str) -> tuple[int | None, frozenset[str]]:
+    """Executions of `comp` per program call, and why it may be unknown."""
+    if comp == self.entry:
+      return 1, frozenset()
+    if comp in self._counts:
+      return self._counts[comp]
+    if not self.callers.get(comp):
+      if self.entry is None:  # No ENTRY marker: treat roots as entries.
+        return 1, frozenset()
+      return None, frozenset({NOTE_UNREACHABLE})
+    total, notes = 0, set()
+    for caller, kind, trip in self.callers[comp]:
+      c, n = self.count(caller)
+      notes |= n
+      if kind == 'branch':
+        c = None
+        notes.add(NOTE_IN_BRANCH)
+      elif kind == 'loop':
+        if trip is None:
+          c = None
+          notes.add(NOTE_TRIP_UNKNOWN)
+        elif c is not None:
+          c *= trip
+      total = None if total is None or c is None else total + c
+    self._counts[comp] = total, frozenset(notes)
+    return self._counts[comp]
+
+  def operand_leaves(self, ins: _Instr) -> list[tuple[str, int]] | None:
+    """Leaves of all operands, or None if any operand's shape is unknown."""
+    out = []
+    for text in ins.operands:
+      parts = text.rsplit(None, 1)
+      shape = parts[0] if len(parts) == 2 else self.shapes.get(
+          parts[-1].lstrip('%'))
+      if shape is None:
+        return None
+      out.extend(_leaves(shape))
+    return out
+
+
+def _buffer(base: str, is_start: bool, mod: _Module, ins: _Instr,
+            n: int) -> list[tuple[str, int]]:
+  """(dtype, elements) of the buffer S the ring formula refers to."""
+  ops = mod.operand_leaves(ins)
+  if ops is not None:
+    if base == 'collective-permute' and 'slice_sizes=' in ins.attrs:
+      ops = mod.operand_leaves(dataclasses.replace(
+          ins, operands=ins.operands[:1])) or ops  # In-place: input only.
+    return [(d, e * n if base == 'all-gather' else e) for d, e in ops]
+  res = _leaves(ins.shape)
+  if is_start and base == 'all-gather':  # (operands, outputs).
+    return res[len(res) // 2:]
+  if is_start and base == 'collective-permute':  # (in, out, ctx...).
+    return res[:1]
+  return [(d, e * n if base == 'reduce-scatter' else e) for d, e in res]
+
+
+def _header_num_devices(hlo_text: str) -> int:
+  head = hlo_text.split('\n', 1)[0]
+  return math.prod(int(v) for v in re.findall(
+      r'\b(?:num_partitions|replica_count)=(\d+)', head))
+
+
+def collectives_from_hlo(hlo_text: str,
+                         num_devices: int | None = None) -> list[Collective]:
+  """Lists the collectives of an (optimized, per-device) HLO module text.
+
+  Args:
+    hlo_text: HLO text, e.g. `jitted.lower(...).compile().as_text()`.
+    num_devices: devices of the program, the group size for empty
+      `replica_groups={}`; read from the module header when None.
+
+  Returns:
+    One row per collective instruction (per dtype, for a combined op whose
+    operands have different dtypes), in program text order. `-done` halves of
+    async pairs are skipped; `-start` halves are counted.
+  """
+  if num_devices is None:
+    num_devices = _header_num_devices(hlo_text)
+  mod = _Module(hlo_text)
+  rows = []
+  for comp, instrs in mod.comps.items():
+    for ins in instrs:
+      is_start = ins.opcode.endswith('-start')
+      base = ins.opcode[:-len('-start')] if is_start else ins.opcode
+      if base not in KINDS:
+        continue
+      n, group_note = _group_size(ins, base, num_devices)
+      count, count_notes = mod.count(comp)
+      note = '; '.join(sorted(count_notes) + ([group_note] if group_note
+                                               else []))
+      per_dtype: dict[str, int] = {}
+      for dtype, elements in _buffer(base, is_start, mod, ins, n):
+        per_dtype[dtype] = per_dtype.get(dtype, 0) + elements
+      for dtype, elements in per_dtype.items():
+        rows.append(Collective(base, dtype, elements, n, count, ins.name,
+                               note))
+  return rows
+
+
+def collectives(fn: Callable[..., Any], *args, **kwargs) -> list[Collective]:
+  """Compiles `fn` for `args` (arrays or `jax.ShapeDtypeStruct`s) and lists
+  its collectives. `fn` may be jitted already; otherwise it is jitted."""
+  jitted = fn if hasattr(fn, 'lower') else jax.jit(fn)
+  text = jitted.lower(*args, **kwargs).compile().as_text()
+  return collectives_from_hlo(text, _header_num_devices(text))
+
+
+def format_table(cols: list[Collective]) -> str:
+  """Aligned text table (MB = 1e6 bytes) with a total line."""
+  head = ('kind', 'dtype', 'elements', 'N', 'count', 'MB', 'MB sent', 'name',
+          'note')
+  body = [(c.kind, c.dtype, str(c.elements), str(c.group_size),
+           '?' if c.count is None else str(c.count), f'{c.bytes / 1e6:.6f}',
+           '?' if c.count is None else f'{c.bytes_sent / 1e6:.6f}', c.name,
+           c.note) for c in cols]
+  widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
+  numeric = {2, 3, 4, 5, 6}
+
+  def fmt(row):
+    return '  '.join(v.rjust(w) if i in numeric else v.ljust(w)
+                     for i, (v, w) in enumerate(zip(row, widths))).rstrip()
+
+  lines = [fmt(head), fmt(['-' * w for w in widths])] + [fmt(r) for r in body]
+  unknown = sum(c.count is None for c in cols)
+  total = (f'total sent per device per call: {bytes_sent(cols) / 1e6:.6f} MB '
+           f'({len(cols)} collectives)' + (
+               f'  INCOMPLETE: {unknown} collective(s) with unknown count '
+               'excluded' if unknown else ''))
+  return '\n'.join(lines + [total])

