@@ -1,0 +1,317 @@
+"""Orbax checkpoints of a sharded train state plus JSON extras.
+
+Layout: `directory/<step>/` holds three orbax items:
+
+* `state`: the pytree of arrays (`StandardSave`: OCDBT + zarr via tensorstore),
+* `extras`: a JSON object (config, data iterator state, ...),
+* `checksums`: a JSON manifest with, per leaf (keyed by `jax.tree_util.keystr`),
+  its shape, dtype and two 32-bit checksums of its bits.
+
+Orbax writes each step into a temporary directory and renames it when
+complete, so an interrupted save never looks like a finished step (orbax
+ignores the leftovers). Orbax detects truncated files and garbled OCDBT
+metadata/B-tree nodes, but not garbled bytes inside large array values (they
+are stored without a checksum), and it silently casts when the requested
+dtype differs from the stored one. The manifest closes both holes: `restore`
+checks structure, shapes and dtypes against it before reading, and the
+checksums of the restored arrays after.
+
+The checksums are computed on device (a jitted, sharding-agnostic uint32
+reduction; integer addition wraps, so the result does not depend on the
+sharding or on the reduction order): one read of the state per save/restore.
+"""
+
+from collections.abc import Mapping
+import json
+import os
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+PyTree = Any
+
+_ITEMS = ('state', 'extras', 'checksums')
+_MANIFEST_VERSION = 1
+_MAX_LISTED = 8  # Problems listed in one error message.
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint is missing, corrupt, incompatible or already exists."""
+
+
+# ----------------------------------------------------------------------------
+# Checksums.
+
+
+def _has_checksum(dtype: Any) -> bool:
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return True
+  dtype = np.dtype(dtype)
+  return dtype == np.bool_ or (
+      dtype.kind != 'c' and jax.dtypes.itemsize_bits(dtype) in (8, 16, 32, 64))
+
+
+def _words(x: jax.Array) -> jax.Array:
+  """The bits of `x` as uint32 words (one per element; two for 64 bits)."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  bits = jax.dtypes.itemsize_bits(x.dtype)
+  if bits == 32 or bits == 64:  # 64 bits: a trailing axis of two words.
+    return lax.bitcast_convert_type(x, jnp.uint32)
+  return lax.bitcast_convert_type(x, jnp.dtype(f'uint{bits}')).astype(
+      jnp.uint32)
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+  """[sum(w), sum(w * (2i + 1))] mod 2**32 over the words w, i = flat index.
+
+  The weights are odd, so changing any single word changes both sums.
+  """
+  w = _words(x)
+  index, stride = jnp.zeros(w.shape, jnp.uint32), 1
+  for axis in reversed(range(w.ndim)):
+    index += lax.broadcasted_iota(jnp.uint32, w.shape, axis) * jnp.uint32(
+        stride % 2**32)
+    stride *= w.shape[axis]
+  return jnp.stack([jnp.sum(w, dtype=jnp.uint32),
+                    jnp.sum(w * (2 * index + 1), dtype=jnp.uint32)])
+
+
+@jax.jit
+def _checksums(leaves: list[jax.Array]) -> list[jax.Array]:
+  return [_leaf_checksum(x) for x in leaves]
+
+
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _manifest(state: PyTree) -> dict[str, Any]:
+  """Shape, dtype and checksum (None if unsupported) of every leaf."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(state)
+  entries, summed = {}, []
+  for path, x in leaves:
+    entry = {'shape': None, 'dtype': None, 'checksum': None}
+    if _is_array(x):
+      entry['shape'], entry['dtype'] = list(x.shape), str(x.dtype)
+      if _has_checksum(x.dtype):
+        summed.append((entry, x))
+    entries[jax.tree_util.keystr(path)] = entry
+  sums = jax.device_get(_checksums([x for _, x in summed]))
+  for (entry, _), s in zip(summed, sums):
+    entry['checksum'] = [int(v) for v in s]
+  return {'version': _MANIFEST_VERSION, 'leaves': entries}
+
+
+def _limit(problems: list[str]) -> str:
+  more = len(problems) - _MAX_LISTED
+  shown = problems[:_MAX_LISTED]
+  if more > 0:
+    shown.append(f'... and {more} more')
+  return '\n  '.join([''] + shown)
+
+
+def _check_compatible(manifest: dict[str, Any], abstract: PyTree) -> list[str]:
+  """Structure/shape/dtype differences between the manifest and `abstract`."""
+  saved = manifest['leaves']
+  wanted = {jax.tree_util.keystr(p): x
+            for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+  problems = [f'{k}: in abstract_state, not in the checkpoint'
+              for k in wanted if k not in saved]
+  problems += [f'{k}: in the checkpoint, not in abstract_state'
+               for k in saved if k not in wanted]
+  for key in wanted.keys() & saved.keys():
+    entry, x = saved[key], wanted[key]
+    if entry['shape'] is None or not hasattr(x, 'shape'):
+      continue
+    if list(x.shape) != entry['shape'] or str(x.dtype) != entry['dtype']:
+      problems.append(f'{key}: checkpoint has {entry["dtype"]}'
+                      f'{tuple(entry["shape"])}, abstract_state wants '
+                      f'{x.dtype}{tuple(x.shape)}')
+  return sorted(problems)
+
+
+def _check_sums(manifest: dict[str, Any], state: PyTree) -> list[str]:
+  """Leaves of the restored `state` whose checksums differ from the saved."""
+  actual = _manifest(state)['leaves']
+  return [f'{k}: checksum mismatch (data garbled)'
+          for k, entry in sorted(manifest['leaves'].items())
+          if entry['checksum'] is not None and k in actual
+          and actual[k]['checksum'] is not None
+          and actual[k]['checksum'] != entry['checksum']]
+
+
+# ----------------------------------------------------------------------------
+# Checkpointer.
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+  """'Type: first line' of the innermost cause of `e` (tensorstore's own
+  message is more useful than orbax's wrappers, which dump a whole spec)."""
+  while e.__cause__ is not None:
+    e = e.__cause__
+  text = str(e).strip().split('\n', 1)[0]
+  text = text if len(text) <= limit else text[:limit] + '...'
+  return f'{type(e).__name__}: {text}'
+
+
+class Checkpointer:
+  """Saves and restores (state, extras) per step under one directory.
+
+  All processes must call `save`/`restore`/`latest_step` together; orbax does
+  the cross-process coordination. Saves are asynchronous: `save` returns once
+  the arrays are copied to host memory; `wait` blocks until written.
+  """
+
+  def __init__(self, directory: str, *, max_to_keep: int = 3):
+    if max_to_keep < 1:
+      raise ValueError(f'max_to_keep must be >= 1, got {max_to_keep}')
+    self.directory = os.path.abspath(directory)
+    self.max_to_keep = max_to_keep
+    self._writer: ocp.CheckpointManager | None = None
+
+  def _write_manager(self) -> ocp.CheckpointManager:
+    if self._writer is None:
+      options = ocp.CheckpointManagerOptions(max_to_keep=self.max_to_keep,
+                                             create=True)
+      self._writer = ocp.CheckpointManager(self.directory, options=options,
+                                           item_names=_ITEMS)
+    return self._writer
+
+  def _read_manager(self) -> ocp.CheckpointManager | None:
+    """A fresh read-only view of the directory; None if it does not exist."""
+    self.wait()
+    if not os.path.isdir(self.directory):
+      return None
+    options = ocp.CheckpointManagerOptions(
+        read_only=True, create=False, save_interval_steps=0,
+        save_root_metadata=False)  # No barrier, nothing written.
+    return ocp.CheckpointManager(self.directory, options=options,
+                                 item_names=_ITEMS)
+
+  def all_steps(self) -> list[int]:
+    """Steps with a finished checkpoint, ascending (waits for pending saves)."""
+    if self._writer is not None:
+      self.wait()
+      self._writer.reload()
+      return sorted(self._writer.all_steps())
+    manager = self._read_manager()
+    return [] if manager is None else sorted(manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    """The newest finished step, or None (waits for pending saves)."""
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def save(self, step: int, state: PyTree,
+           extras: Mapping[str, Any] | None = None) -> None:
+    """Starts saving `state` and JSON `extras` as `step`; never overwrites.
+
+    Raises:
+      CheckpointError: the step exists, extras are not JSON-serializable or
+        orbax failed to start the save.
+    """
+    extras = dict(extras or {})
+    try:
+      json.dumps(extras)
+    except (TypeError, ValueError) as e:
+      raise CheckpointError(f'extras for step {step} are not JSON-serializable:'
+                            f' {_first_line(e)}') from e
+    manager = self._write_manager()
+    steps = self.all_steps()  # Waits for the previous save, re-lists steps.
+    if step in steps:
+      raise CheckpointError(f'checkpoint step {step} already exists in '
+                            f'{self.directory} (steps: {steps}); refusing to '
+                            'overwrite')
+    manifest = _manifest(state)
+    args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                              extras=ocp.args.JsonSave(extras),
+                              checksums=ocp.args.JsonSave(manifest))
+    try:
+      manager.save(step, args=args, force=True)
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(f'saving step {step} to {self.directory} failed: '
+                            f'{_first_line(e)}') from e
+
+  def restore(self, step: int | None,
+              abstract_state: PyTree) -> tuple[PyTree, dict[str, Any]]:
+    """Restores (state, extras) of `step` (None: the latest).
+
+    Args:
+      step: the step to restore, or None for the latest.
+      abstract_state: pytree of `jax.ShapeDtypeStruct` with shardings; the
+        restored arrays get these shardings. Shapes and dtypes must match.
+
+    Returns:
+      The restored state and extras.
+
+    Raises:
+      CheckpointError: no such directory/step, a corrupt checkpoint, or one
+        whose structure, shapes or dtypes differ from `abstract_state`.
+    """
+    manager = self._read_manager()
+    if manager is None:
+      raise CheckpointError(f'checkpoint directory {self.directory} does not '
+                            'exist')
+    steps = sorted(manager.all_steps())
+    if step is None and not steps:
+      raise CheckpointError(f'no checkpoints in {self.directory}')
+    step = steps[-1] if step is None else step
+    if step not in steps:
+      raise CheckpointError(f'no checkpoint for step {step} in '
+                            f'{self.directory}; steps there: {steps}')
+    where = f'checkpoint {os.path.join(self.directory, str(step))}'
+    try:
+      manifest = manager.restore(step, args=ocp.args.Composite(
+          checksums=ocp.args.JsonRestore())).checksums
+      if not isinstance(manifest, dict) or 'leaves' not in manifest:
+        raise ValueError(f'malformed checksum manifest: {manifest!r:.200}')
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(f'{where} is corrupt: cannot read its checksum '
+                            f'manifest: {_first_line(e)}') from e
+    problems = _check_compatible(manifest, abstract_state)
+    if problems:
+      raise CheckpointError(f'{where} does not match abstract_state:'
+                            f'{_limit(problems)}')
+    try:
+      restored = manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state),
+          extras=ocp.args.JsonRestore()))
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(f'{where} is corrupt or unreadable: '
+                            f'{_first_line(e)}') from e
+    problems = _check_sums(manifest, restored.state)
+    if problems:
+      raise CheckpointError(f'{where} is corrupt:{_limit(problems)}')
+    return restored.state, dict(restored.extras or {})
+
+  def wait(self) -> None:
+    """Blocks until pending saves are written (and old steps pruned)."""
+    if self._writer is None:
+      return
+    try:
+      self._writer.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(f'saving to {self.directory} failed: '
+                            f'{_first_line(e)}') from e
+
+  def close(self) -> None:
+    """Waits for pending saves and releases orbax resources."""
+    try:
+      self.wait()
+    finally:
+      if self._writer is not None:
+        self._writer.close()
+        self._writer = None
+
+  def __enter__(self) -> 'Checkpointer':
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()

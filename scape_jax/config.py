@@ -1,0 +1,385 @@
+"""Run configuration: nested dataclasses, nanoGPT-style config files, overrides.
+
+A config file is a plain Python file that states only what it changes::
+
+  # configs/llama500m.py
+  model = dict(preset='llama500m')
+  optimizer = dict(name='scape', density=0.01, lr=3e-4)
+  steps = 100_000
+
+It is executed in a fresh namespace and every top-level name that does not
+start with '_' (imported modules excluded) is applied onto `Config()`. Helper
+variables and functions in a config file must therefore start with '_'.
+
+Command-line overrides are applied afterwards, in order::
+
+  --config.optimizer.name=adamw --config.steps 500
+
+Every key is checked against the dataclass fields (typos raise `ConfigError`
+naming the dotted key and the keys allowed there) and every value is parsed or
+checked against the field's type.
+"""
+
+import dataclasses
+import math
+import types
+import typing
+from typing import Any, Mapping, Sequence
+
+_PREFIX = '--config.'
+
+OPTIMIZERS = ('adamw', 'adams', 'scape')
+DECAYS = ('cosine', 'constant')
+DTYPES = ('bfloat16', 'float32')
+MASK_ENCODINGS = ('auto', 'bitmap', 'indices')
+
+
+class ConfigError(ValueError):
+  """An unknown key, a badly typed value or an out-of-range setting."""
+
+
+@dataclasses.dataclass(slots=True)
+class ModelConfig:
+  preset: str = 'llama-tiny'  # A name in models.PRESETS (checked by trainer).
+  dtype: str = 'bfloat16'  # Compute dtype: bfloat16 | float32.
+  param_dtype: str = 'float32'
+  remat: bool = False
+
+
+@dataclasses.dataclass(slots=True)
+class OptimizerConfig:
+  name: str = 'adamw'  # adamw | adams | scape
+  lr: float = 3e-4
+  warmup_steps: int = 100
+  decay: str = 'cosine'  # cosine | constant
+  min_lr_ratio: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1
+  clip_norm: float = 1.0  # 0 disables clipping.
+  density: float = 0.01  # scape only.
+  density_warmup_steps: int = 0  # scape only.
+  mask_encoding: str = 'auto'  # auto | bitmap | indices
+
+
+@dataclasses.dataclass(slots=True)
+class DataConfig:
+  corpus: str = 'shakespeare'  # shakespeare | synthetic | a directory.
+  tokenizer: str = 'byte'  # 'byte' or a path to a HF tokenizer.json.
+  seq_len: int = 128
+  batch_size: int = 32  # Global batch (sequences per step).
+  data_dir: str = ''  # '' = data/<corpus-name>-<tokenizer-name>.
+
+
+@dataclasses.dataclass(slots=True)
+class MeshConfig:
+  data: int = -1  # -1: all devices not used by the other axes.
+  fsdp: int = 1
+  tensor: int = 1
+
+
+@dataclasses.dataclass(slots=True)
+class Config:
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  optimizer: OptimizerConfig = dataclasses.field(
+      default_factory=OptimizerConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  steps: int = 1000
+  seed: int = 0
+  log_every: int = 10
+  eval_every: int = 100
+  eval_batches: int = 8
+  ckpt_every: int = 0  # 0: only at the end.
+  out_dir: str = 'runs/default'
+
+
+# ----------------------------------------------------------------------------
+# Typed assignment.
+
+
+def _field_types(obj: Any) -> dict[str, type]:
+  hints = typing.get_type_hints(type(obj))
+  return {f.name: hints[f.name] for f in dataclasses.fields(obj)}
+
+
+def _join(prefix: str, key: str) -> str:
+  return f'{prefix}.{key}' if prefix else key
+
+
+def _unknown_key(obj: Any, prefix: str, key: str) -> ConfigError:
+  allowed = ', '.join(_field_types(obj))
+  where = f"'{prefix}'" if prefix else 'the top level'
+  return ConfigError(f"unknown config key '{_join(prefix, key)}'; "
+                     f'allowed keys at {where}: {allowed}')
+
+
+def _type_error(key: str, value: Any, typ: type) -> ConfigError:
+  return ConfigError(f'config key {key!r}: expected {typ.__name__}, '
+                     f'got {value!r}')
+
+
+def _parse_int(key: str, value: Any) -> int:
+  if isinstance(value, bool):
+    raise _type_error(key, value, int)
+  if isinstance(value, int):
+    return value
+  if isinstance(value, str):
+    text = value.strip()
+    try:
+      return int(text)
+    except ValueError:
+      pass
+    try:
+      number = float(text)  # '1e3' is fine, '1.5' is not.
+    except ValueError:
+      raise _type_error(key, value, int) from None
+    if math.isfinite(number) and number.is_integer():
+      return int(number)
+  elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
+    return int(value)
+  raise _type_error(key, value, int)
+
+
+def _parse_float(key: str, value: Any) -> float:
+  if isinstance(value, bool):
+    raise _type_error(key, value, float)
+  if isinstance(value, (int, float)):
+    return float(value)
+  if isinstance(value, str):
+    try:
+      return float(value.strip())
+    except ValueError:
+      pass
+  raise _type_error(key, value, float)
+
+
+def _parse_bool(key: str, value: Any) -> bool:
+  if isinstance(value, bool):
+    return value
+  if isinstance(value, str):
+    text = value.strip().lower()
+    if text in ('true', '1'):
+      return True
+    if text in ('false', '0'):
+      return False
+  raise _type_error(key, value, bool)
+
+
+def _parse_str(key: str, value: Any) -> str:
+  if isinstance(value, str):
+    return value
+  raise _type_error(key, value, str)
+
+
+_PARSERS = {int: _parse_int, float: _parse_float, bool: _parse_bool,
+            str: _parse_str}
+
+
+def _set_leaf(obj: Any, prefix: str, key: str, value: Any) -> None:
+  """Parses `value` by the type of field `key` of `obj` and assigns it."""
+  full = _join(prefix, key)
+  typ = _field_types(obj)[key]
+  if dataclasses.is_dataclass(typ):
+    raise ConfigError(f'config key {full!r} is a section with keys '
+                      f'{", ".join(_field_types(getattr(obj, key)))}; '
+                      f'assign a dict (in a file) or set {full}.KEY, '
+                      f'not {value!r}')
+  if isinstance(value, Mapping):
+    raise ConfigError(f'config key {full!r} is a leaf ({typ.__name__}), '
+                      f'not a section; cannot assign the dict {dict(value)!r}')
+  setattr(obj, key, _PARSERS[typ](full, value))
+
+
+def _apply(obj: Any, prefix: str, values: Mapping[str, Any]) -> None:
+  """Recursively applies a (nested) mapping of values onto dataclass `obj`."""
+  types_ = _field_types(obj)
+  for key, value in values.items():
+    if not isinstance(key, str) or key not in types_:
+      raise _unknown_key(obj, prefix, str(key))
+    if dataclasses.is_dataclass(types_[key]):
+      if not isinstance(value, Mapping):
+        _set_leaf(obj, prefix, key, value)  # Raises: a section needs a dict.
+      _apply(getattr(obj, key), _join(prefix, key), value)
+    else:
+      _set_leaf(obj, prefix, key, value)
+
+
+def _set_dotted(cfg: Config, dotted: str, value: str) -> None:
+  """Sets one dotted key, e.g. 'optimizer.lr', from its string value."""
+  parts = dotted.split('.')
+  obj, prefix = cfg, ''
+  for part in parts[:-1]:
+    types_ = _field_types(obj)
+    if part not in types_:
+      raise _unknown_key(obj, prefix, part)
+    if not dataclasses.is_dataclass(types_[part]):
+      raise ConfigError(f'config key {_join(prefix, part)!r} is a leaf '
+                        f'({types_[part].__name__}), not a section; '
+                        f'cannot set {dotted!r}')
+    obj, prefix = getattr(obj, part), _join(prefix, part)
+  if parts[-1] not in _field_types(obj):
+    raise _unknown_key(obj, prefix, parts[-1])
+  _set_leaf(obj, prefix, parts[-1], value)
+
+
+# ----------------------------------------------------------------------------
+# Files and overrides.
+
+
+def _read_file(path: str) -> dict[str, Any]:
+  """Executes a config file; returns its public, non-module top-level names."""
+  try:
+    with open(path, encoding='utf-8') as f:
+      source = f.read()
+  except OSError as e:
+    raise ConfigError(f'cannot read config file {path!r}: {e}') from e
+  namespace: dict[str, Any] = {'__file__': path, '__name__': '__config__'}
+  try:
+    exec(compile(source, path, 'exec'), namespace)  # pylint: disable=exec-used
+  except Exception as e:  # pylint: disable=broad-except
+    raise ConfigError(f'error executing config file {path!r}: '
+                      f'{type(e).__name__}: {e}') from e
+  return {k: v for k, v in namespace.items()
+          if not k.startswith('_') and not isinstance(v, types.ModuleType)}
+
+
+def _split_overrides(overrides: Sequence[str]) -> list[tuple[str, str]]:
+  """Turns argv-style overrides into (dotted key, string value) pairs."""
+  pairs, i = [], 0
+  while i < len(overrides):
+    item = overrides[i]
+    if not item.startswith(_PREFIX) or len(item) == len(_PREFIX):
+      raise ConfigError(f'bad override {item!r}: expected '
+                        f'{_PREFIX}KEY=VALUE or {_PREFIX}KEY VALUE')
+    body = item[len(_PREFIX):]
+    if '=' in body:
+      key, value = body.split('=', 1)
+      i += 1
+    elif i + 1 < len(overrides) and not overrides[i + 1].startswith('--'):
+      key, value = body, overrides[i + 1]
+      i += 2
+    else:
+      raise ConfigError(f'override {item!r} has no value: expected '
+                        f'{_PREFIX}KEY=VALUE or {_PREFIX}KEY VALUE')
+    if not key or '' in key.split('.'):
+      raise ConfigError(f'bad override {item!r}: empty key in {key!r}; '
+                        f'expected {_PREFIX}KEY=VALUE')
+    pairs.append((key, value))
+  return pairs
+
+
+def load(path: str | None, overrides: Sequence[str] = ()) -> Config:
+  """Builds a validated config from defaults, a config file and overrides.
+
+  Args:
+    path: a Python config file (see the module docstring), or None for the
+      defaults alone.
+    overrides: argv items '--config.KEY=VALUE' (or '--config.KEY', 'VALUE'),
+      applied after the file, in order; KEY is dotted, e.g. 'optimizer.lr'.
+
+  Returns:
+    The config.
+
+  Raises:
+    ConfigError: unknown key, badly typed value, unreadable file or an
+      out-of-range setting (see `validate`).
+  """
+  cfg = Config()
+  if path is not None:
+    _apply(cfg, '', _read_file(path))
+  for key, value in _split_overrides(overrides):
+    _set_dotted(cfg, key, value)
+  validate(cfg)
+  return cfg
+
+
+# ----------------------------------------------------------------------------
+# Validation.
+
+
+def _problems(cfg: Config) -> list[str]:
+  """Returns a message per out-of-range setting (NaN fails every check)."""
+  o, d, m = cfg.optimizer, cfg.data, cfg.mesh
+  checks = [
+      (cfg.steps > 0, f'steps must be > 0, got {cfg.steps}'),
+      (cfg.log_every > 0, f'log_every must be > 0, got {cfg.log_every}'),
+      (cfg.eval_every >= 0, f'eval_every must be >= 0, got {cfg.eval_every}'),
+      (cfg.eval_batches >= 0,
+       f'eval_batches must be >= 0, got {cfg.eval_batches}'),
+      (cfg.ckpt_every >= 0, f'ckpt_every must be >= 0, got {cfg.ckpt_every}'),
+      (cfg.model.dtype in DTYPES,
+       f'model.dtype must be one of {DTYPES}, got {cfg.model.dtype!r}'),
+      (cfg.model.param_dtype in DTYPES, f'model.param_dtype must be one of '
+       f'{DTYPES}, got {cfg.model.param_dtype!r}'),
+      (o.name in OPTIMIZERS,
+       f'optimizer.name must be one of {OPTIMIZERS}, got {o.name!r}'),
+      (o.lr > 0, f'optimizer.lr must be > 0, got {o.lr}'),
+      (o.warmup_steps >= 0,
+       f'optimizer.warmup_steps must be >= 0, got {o.warmup_steps}'),
+      (o.decay in DECAYS,
+       f'optimizer.decay must be one of {DECAYS}, got {o.decay!r}'),
+      (0 <= o.min_lr_ratio <= 1,
+       f'optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}'),
+      (0 <= o.b1 < 1, f'optimizer.b1 must be in [0, 1), got {o.b1}'),
+      (0 <= o.b2 < 1, f'optimizer.b2 must be in [0, 1), got {o.b2}'),
+      (o.eps > 0, f'optimizer.eps must be > 0, got {o.eps}'),
+      (o.weight_decay >= 0,
+       f'optimizer.weight_decay must be >= 0, got {o.weight_decay}'),
+      (o.clip_norm >= 0, f'optimizer.clip_norm must be >= 0 (0 disables '
+       f'clipping), got {o.clip_norm}'),
+      (0 < o.density <= 1,
+       f'optimizer.density must be in (0, 1], got {o.density}'),
+      (o.density_warmup_steps >= 0, f'optimizer.density_warmup_steps must be '
+       f'>= 0, got {o.density_warmup_steps}'),
+      (o.mask_encoding in MASK_ENCODINGS, f'optimizer.mask_encoding must be '
+       f'one of {MASK_ENCODINGS}, got {o.mask_encoding!r}'),
+      (bool(d.corpus), 'data.corpus must not be empty'),
+      (bool(d.tokenizer), 'data.tokenizer must not be empty'),
+      (d.seq_len > 0, f'data.seq_len must be > 0, got {d.seq_len}'),
+      (d.batch_size > 0, f'data.batch_size must be > 0, got {d.batch_size}'),
+      (m.data == -1 or m.data >= 1,
+       f'mesh.data must be >= 1 or -1 (all remaining devices), got {m.data}'),
+      (m.fsdp >= 1, f'mesh.fsdp must be >= 1, got {m.fsdp}'),
+      (m.tensor >= 1, f'mesh.tensor must be >= 1, got {m.tensor}'),
+  ]
+  return [message for ok, message in checks if not ok]
+
+
+def validate(cfg: Config) -> None:
+  """Raises ConfigError listing every out-of-range setting of `cfg`."""
+  problems = _problems(cfg)
+  if problems:
+    raise ConfigError('invalid config:\n  ' + '\n  '.join(problems))
+
+
+# ----------------------------------------------------------------------------
+# Serialization.
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+  """Returns the config as nested plain dicts (JSON-serializable)."""
+  return dataclasses.asdict(cfg)
+
+
+def from_dict(d: Mapping[str, Any]) -> Config:
+  """Inverse of `to_dict`; unknown keys raise, missing keys keep defaults."""
+  cfg = Config()
+  _apply(cfg, '', d)
+  validate(cfg)
+  return cfg
+
+
+def format(cfg: Config) -> str:  # pylint: disable=redefined-builtin
+  """Returns a short readable dump: one line per section, then the rest."""
+  lines, top = [], []
+  for f in dataclasses.fields(cfg):
+    value = getattr(cfg, f.name)
+    if dataclasses.is_dataclass(value):
+      items = ' '.join(f'{g.name}={getattr(value, g.name)!r}'
+                       for g in dataclasses.fields(value))
+      lines.append(f'{f.name}: {items}')
+    else:
+      top.append(f'{f.name}={value!r}')
+  return '\n'.join(lines + ['run: ' + ' '.join(top)])

@@ -1,0 +1,169 @@
+"""Observability: JSONL + TensorBoard metrics, a loss plot, a progress bar.
+
+`metrics.jsonl` holds one JSON object per `MetricsLogger.log` call::
+
+  {"step": 100, "split": "train", "loss": 3.21, "lr": 0.0003}
+
+Non-finite values are written as the strings "nan", "inf" and "-inf" so that
+every line is strict JSON (`json.loads` in any language, `jq`); `read_jsonl`
+turns them back into floats.
+"""
+
+import json
+import math
+import os
+import sys
+from typing import Any, Mapping
+
+import matplotlib
+matplotlib.use('Agg')
+import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+import tqdm
+
+_NON_FINITE = {'nan': math.nan, 'inf': math.inf, '-inf': -math.inf}
+
+
+def _encode(value: float) -> float | str:
+  if math.isfinite(value):
+    return value
+  return 'nan' if math.isnan(value) else ('inf' if value > 0 else '-inf')
+
+
+class MetricsLogger:
+  """Appends metrics to `out_dir/metrics.jsonl` and TensorBoard `out_dir/tb`.
+
+  Create it with `enabled=False` on processes other than 0: it then writes
+  nothing and creates no files.
+  """
+
+  def __init__(self, out_dir: str, *, enabled: bool = True,
+               tensorboard: bool = True):
+    self.out_dir = out_dir
+    self.enabled = enabled
+    self.path = os.path.join(out_dir, 'metrics.jsonl')
+    self._file = None
+    self._writer = None
+    if not enabled:
+      return
+    os.makedirs(out_dir, exist_ok=True)
+    self._file = open(self.path, 'a', encoding='utf-8')
+    if tensorboard:
+      import tensorboardX  # pylint: disable=g-import-not-at-top
+      self._writer = tensorboardX.SummaryWriter(os.path.join(out_dir, 'tb'))
+
+  def log(self, step: int, metrics: Mapping[str, Any],
+          prefix: str = 'train') -> None:
+    """Records scalar `metrics` (floats, numpy/jax scalars) at `step`."""
+    if not self.enabled:
+      return
+    reserved = {'step', 'split'} & set(metrics)
+    if reserved:
+      raise ValueError(f'metric names {sorted(reserved)} are reserved')
+    values = {key: float(value) for key, value in metrics.items()}
+    record = {'step': int(step), 'split': prefix}
+    record.update({k: _encode(v) for k, v in values.items()})
+    self._file.write(json.dumps(record, allow_nan=False) + '\n')
+    self._file.flush()
+    if self._writer is not None:
+      for key, value in values.items():
+        self._writer.add_scalar(f'{prefix}/{key}', value, int(step))
+      self._writer.flush()
+
+  def close(self) -> None:
+    if self._file is not None:
+      self._file.close()
+      self._file = None
+    if self._writer is not None:
+      self._writer.close()
+      self._writer = None
+
+  def __enter__(self) -> 'MetricsLogger':
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+
+def _decode(value: Any) -> Any:
+  return _NON_FINITE.get(value, value) if isinstance(value, str) else value
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+  """Reads a metrics.jsonl file; "nan"/"inf" strings become floats again.
+
+  A truncated last line (a crash mid-write) is skipped.
+  """
+  records = []
+  with open(path, encoding='utf-8') as f:
+    lines = f.read().split('\n')
+  for number, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      if number == len(lines):  # No newline yet: a half-written last line.
+        continue
+      raise
+    records.append({k: (v if k == 'split' else _decode(v))
+                    for k, v in record.items()})
+  return records
+
+
+def plot_loss(metrics_jsonl: str, png_path: str, *, log_y: bool = False,
+              key: str = 'loss') -> None:
+  """Plots train `key` vs step as a line and eval `key` as markers."""
+  records = read_jsonl(metrics_jsonl)
+  fig, ax = plt.subplots(figsize=(8, 5))
+  try:
+    for split, style in (('train', dict(lw=1.0)),
+                         ('eval', dict(marker='o', ls='--', ms=4))):
+      points = sorted((r['step'], r[key]) for r in records
+                      if r.get('split') == split and key in r)
+      if points:
+        steps, values = zip(*points)
+        ax.plot(steps, values, label=f'{split} {key}', **style)
+    ax.set_xlabel('step')
+    ax.set_ylabel(key)
+    if log_y:
+      ax.set_yscale('log')
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
+    fig.savefig(png_path, dpi=100)
+  finally:
+    plt.close(fig)
+
+
+class Progress:
+  """A tqdm bar on a terminal; prints nothing when stdout is not a TTY."""
+
+  def __init__(self, total: int, initial: int = 0):
+    self._bar = None
+    if sys.stdout.isatty():
+      self._bar = tqdm.tqdm(total=total, initial=initial, file=sys.stdout,
+                            dynamic_ncols=True)
+
+  def update(self, n: int = 1, **postfix: Any) -> None:
+    if self._bar is None:
+      return
+    if postfix:
+      self._bar.set_postfix(
+          {k: (f'{float(v):.4g}' if _is_number(v) else v)
+           for k, v in postfix.items()}, refresh=False)
+    self._bar.update(n)
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+      self._bar = None
+
+
+def _is_number(value: Any) -> bool:
+  try:
+    float(value)
+  except (TypeError, ValueError):
+    return False
+  return not isinstance(value, str)
