@@ -260,8 +260,8 @@ def train(cfg: config_lib.Config, devices=None) -> dict:
 
   for step in range(start, cfg.steps):
     fn, nbytes = step_fn(step)
-    if step == start:  # compile the steady-state program before timing
-      steady, _ = step_fn(step + 1)
+    if step == start:  # compile the final-level program before timing
+      steady, _ = step_fn(cfg.steps - 1)
       if leader:
         print('collectives of the train step, per device per step:')
         print(comm.format_table(comm.collectives_from_hlo(steady.as_text())))

@@ -1,0 +1,192 @@
+"""train.py as 2 CPU processes (gloo, jax.distributed) == 1 process, 2 devices.
+
+Run A: one process with 2 simulated CPU devices. Run B: two processes with one
+device each, joined through `--coordinator 127.0.0.1:PORT` (train.py switches
+the CPU collectives to gloo and calls `jax.distributed.initialize`). Both use
+a data-parallel mesh of 2 and the same prepared corpus, so every per-step
+metric must agree: the data sharding across processes, the cross-process
+gradient exchange (SCAPE's sparse collectives) and the optimizer are the same.
+
+Each run compiles the train step (two programs for SCAPE: the dense first
+step and the sparse steady state), which dominates the runtime. Both runs use
+the same XLA flags that cut CPU compile time (backend optimization level 0),
+so the comparison is still exact. Set SCAPE_JAX_SLOW_TESTS=1 to also run the
+AdamW case.
+"""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from scape_jax.data import prepare
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TRAIN = REPO / 'train.py'
+STEPS = 4
+TIMEOUT_S = 120  # per run (all of its processes together)
+# Cuts the XLA:CPU compile time of each run about in half; both runs use it.
+FAST_COMPILE = ('--xla_backend_optimization_level=0 '
+                '--xla_llvm_disable_expensive_passes=true')
+# Variables that would change the device count or start jax.distributed on
+# their own (train.py also joins a cluster found in SLURM/Open MPI variables).
+_CLUSTER_VARS = ('SLURM_NTASKS', 'OMPI_COMM_WORLD_SIZE')
+_NOT_COMPARED = ('tokens_per_s',)  # wall-clock throughput
+
+
+def _free_port() -> int:
+  try:
+    import portpicker  # pylint: disable=g-import-not-at-top
+    return portpicker.pick_unused_port()
+  except ImportError:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+      s.bind(('127.0.0.1', 0))
+      return s.getsockname()[1]
+
+
+def _env(device_count: int) -> dict:
+  """The parent's environment without JAX/XLA/cluster settings, plus ours."""
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(('JAX_', 'XLA_')) and k not in _CLUSTER_VARS}
+  env.update(
+      JAX_PLATFORMS='cpu',
+      XLA_FLAGS=(f'--xla_force_host_platform_device_count={device_count} '
+                 f'{FAST_COMPILE}'),
+      PYTHONPATH=os.pathsep.join(
+          [str(REPO)] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else [])),
+      PYTHONUNBUFFERED='1',
+  )
+  return env
+
+
+def _config_args(data_dir, out_dir, optimizer: str) -> list:
+  overrides = {
+      'data.corpus': data_dir,  # a prepared directory (has meta.json)
+      'data.batch_size': 4,
+      'data.seq_len': 32,
+      'model.preset': 'llama-tiny',
+      'model.dtype': 'float32',
+      'mesh.data': 2,
+      'optimizer.name': optimizer,
+      'optimizer.density': 0.1,
+      'optimizer.lr': 3e-3,
+      'optimizer.warmup_steps': 1,  # real updates from step 2 on
+      'steps': STEPS,
+      'log_every': 1,
+      'eval_every': 0,  # only the final evaluation
+      'eval_batches': 1,
+      'out_dir': out_dir,
+  }
+  return [f'--config.{k}={v}' for k, v in overrides.items()]
+
+
+def _run(commands: list, env: dict, cwd, logs: list) -> None:
+  """Runs `commands` at once; fails (with their output) unless all exit 0."""
+  procs, files = [], []
+  try:
+    for cmd, log in zip(commands, logs):
+      f = open(log, 'wb')  # pylint: disable=consider-using-with
+      files.append(f)
+      procs.append(subprocess.Popen(cmd, env=env, cwd=cwd, stdout=f,
+                                    stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + TIMEOUT_S
+    problem = None
+    while problem is None and any(p.poll() is None for p in procs):
+      failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+      if failed:  # the others would wait for it until jax's own timeouts
+        problem = f'process {failed[0]} exited {procs[failed[0]].returncode}'
+      elif time.monotonic() > deadline:
+        problem = f'timed out after {TIMEOUT_S} s'
+      else:
+        time.sleep(0.1)
+    if problem is None and any(p.returncode for p in procs):
+      problem = f'exit codes {[p.returncode for p in procs]}'
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+    for p in procs:
+      try:
+        p.wait(timeout=30)
+      except subprocess.TimeoutExpired:
+        pass
+    for f in files:
+      f.close()
+  if problem is not None:
+    out = '\n'.join(
+        f'--- process {i}: {" ".join(map(str, cmd))}\n'
+        f'{pathlib.Path(log).read_text(errors="replace")[-6000:]}'
+        for i, (cmd, log) in enumerate(zip(commands, logs)))
+    pytest.fail(f'{problem} (rc {[p.returncode for p in procs]})\n{out}',
+                pytrace=False)
+
+
+def _metrics(out_dir) -> tuple[dict, dict]:
+  """({step: train metrics}, {step: eval metrics}) from metrics.jsonl."""
+  train, evals = {}, {}
+  path = pathlib.Path(out_dir) / 'metrics.jsonl'
+  assert path.exists(), f'{path} was not written'
+  for line in path.read_text().splitlines():
+    rec = json.loads(line)
+    split = {'train': train, 'eval': evals}[rec.pop('split')]
+    split[rec.pop('step')] = rec
+  return train, evals
+
+
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+  """A prepared synthetic corpus shared by all runs (so nothing races)."""
+  path = tmp_path_factory.mktemp('multiprocess') / 'data'
+  prepare.make_synthetic_corpus(str(path), num_tokens=1 << 18)
+  return path
+
+
+@pytest.mark.parametrize('optimizer', [
+    'scape',
+    pytest.param('adamw', marks=pytest.mark.skipif(
+        not os.environ.get('SCAPE_JAX_SLOW_TESTS'),
+        reason='slow (two more compiles); set SCAPE_JAX_SLOW_TESTS=1')),
+])
+def test_two_processes_match_one_process(optimizer, data_dir, tmp_path):
+  # Run A: 1 process, 2 devices.
+  out_a = tmp_path / 'a'
+  _run([[sys.executable, str(TRAIN), *_config_args(data_dir, out_a,
+                                                   optimizer)]],
+       _env(2), tmp_path, [tmp_path / 'a.log'])
+
+  # Run B: 2 processes, 1 device each, one shared out_dir (orbax writes the
+  # checkpoint from both; only process 0 writes metrics).
+  out_b = tmp_path / 'b'
+  coordinator = f'127.0.0.1:{_free_port()}'
+  _run([[sys.executable, str(TRAIN), '--coordinator', coordinator,
+         '--num-processes', '2', '--process-id', str(i),
+         *_config_args(data_dir, out_b, optimizer)] for i in range(2)],
+       _env(1), tmp_path, [tmp_path / f'b{i}.log' for i in range(2)])
+
+  train_a, eval_a = _metrics(out_a)
+  train_b, eval_b = _metrics(out_b)
+  log_b = (tmp_path / 'b0.log').read_text()
+  assert sorted(train_a) == list(range(1, STEPS + 1)), train_a
+  assert sorted(train_b) == sorted(train_a), (train_b, log_b)
+  losses_a = [train_a[s]['loss'] for s in sorted(train_a)]
+  losses_b = [train_b[s]['loss'] for s in sorted(train_a)]
+  np.testing.assert_allclose(losses_b, losses_a, rtol=1e-6, atol=0,
+                             err_msg=f'per-step train loss, B vs A\n{log_b}')
+  assert losses_a[-1] != losses_a[0]  # the optimizer did update the model
+  for step in sorted(train_a):  # grad norm, lr, SCAPE's density/bytes, ...
+    a, b = train_a[step], train_b[step]
+    assert sorted(b) == sorted(a), (step, a, b)
+    for key in sorted(set(a) - set(_NOT_COMPARED)):
+      np.testing.assert_allclose(b[key], a[key], rtol=1e-6, atol=0,
+                                 err_msg=f'{key} at step {step}, B vs A')
+  assert sorted(eval_b) == sorted(eval_a) == [STEPS], (eval_a, eval_b)
+  np.testing.assert_allclose(eval_b[STEPS]['loss'], eval_a[STEPS]['loss'],
+                             rtol=1e-6, atol=0, err_msg='eval loss, B vs A')
+  # The final checkpoint was written jointly by both processes of run B.
+  assert (out_b / 'ckpt' / str(STEPS)).is_dir(), sorted(out_b.rglob('*'))
+  assert not (tmp_path / 'b1.log').read_text().count('Traceback')
