@@ -15,6 +15,6 @@ demo:
 	$(CPU8) $(PY) train.py --config configs/shakespeare_llama_tiny.py
 
 dry-run:
-	for c in gpt345m llama500m llama1_8b; do \
+	for c in gpt345m llama500m llama1.8b; do \
 	  JAX_PLATFORMS=cpu $(PY) train.py --config configs/$$c.py --dry-run || exit 1; \
 	done
