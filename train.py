@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     return 2
 
   from scape_jax import trainer  # pylint: disable=g-import-not-at-top
+  from scape_jax.checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
+  from scape_jax.data.prepare import CorpusError  # pylint: disable=g-import-not-at-top
   need = trainer.required_devices(cfg)
   flags = os.environ.get('XLA_FLAGS', '')
   if args.dry_run and need and 'host_platform_device_count' not in flags:
@@ -73,7 +75,7 @@ def main(argv=None) -> int:
       trainer.dry_run(cfg, devices)
     else:
       trainer.train(cfg)
-  except config_lib.ConfigError as e:
+  except (config_lib.ConfigError, CheckpointError, CorpusError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
   return 0

@@ -39,7 +39,7 @@ PRESETS: dict[str, Config] = {
         n_kv_heads=2, d_ff=192),
     # H2O-Danube3-500M shape.
     'llama500m': LlamaConfig(
-        vocab_size=32000, max_seq_len=2048, d_model=1536, n_layers=16,
+        vocab_size=32000, max_seq_len=8192, d_model=1536, n_layers=16,
         n_heads=16, n_kv_heads=8, d_ff=4096),
     # H2O-Danube-1.8B shape.
     'llama1.8b': LlamaConfig(

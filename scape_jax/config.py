@@ -31,6 +31,7 @@ _PREFIX = '--config.'
 OPTIMIZERS = ('adamw', 'adams', 'scape')
 DECAYS = ('cosine', 'constant')
 DTYPES = ('bfloat16', 'float32')
+ATTN_IMPLS = ('xla', 'jax', 'cudnn')
 MASK_ENCODINGS = ('auto', 'bitmap', 'indices')
 
 
@@ -44,6 +45,7 @@ class ModelConfig:
   dtype: str = 'bfloat16'  # Compute dtype: bfloat16 | float32.
   param_dtype: str = 'float32'
   remat: bool = False
+  attn_impl: str = 'xla'  # xla | jax | cudnn (flash attention on GPU).
 
 
 @dataclasses.dataclass(slots=True)
@@ -69,6 +71,7 @@ class DataConfig:
   tokenizer: str = 'byte'  # 'byte' or a path to a HF tokenizer.json.
   seq_len: int = 128
   batch_size: int = 32  # Global batch (sequences per step).
+  micro_batches: int = 1  # Sequential micro-batches per worker (accumulation).
   data_dir: str = ''  # '' = data/<corpus-name>-<tokenizer-name>.
 
 
@@ -309,6 +312,9 @@ def _problems(cfg: Config) -> list[str]:
       (cfg.eval_batches >= 1,
        f'eval_batches must be >= 1, got {cfg.eval_batches}'),
       (cfg.ckpt_every >= 0, f'ckpt_every must be >= 0, got {cfg.ckpt_every}'),
+      (cfg.model.attn_impl in ATTN_IMPLS,
+       f'model.attn_impl must be one of {ATTN_IMPLS}, got '
+       f'{cfg.model.attn_impl!r}'),
       (cfg.model.dtype in DTYPES,
        f'model.dtype must be one of {DTYPES}, got {cfg.model.dtype!r}'),
       (cfg.model.param_dtype in DTYPES, f'model.param_dtype must be one of '
@@ -339,6 +345,8 @@ def _problems(cfg: Config) -> list[str]:
       (bool(d.tokenizer), 'data.tokenizer must not be empty'),
       (d.seq_len > 0, f'data.seq_len must be > 0, got {d.seq_len}'),
       (d.batch_size > 0, f'data.batch_size must be > 0, got {d.batch_size}'),
+      (d.micro_batches > 0,
+       f'data.micro_batches must be > 0, got {d.micro_batches}'),
       (m.data == -1 or m.data >= 1,
        f'mesh.data must be >= 1 or -1 (all remaining devices), got {m.data}'),
       (m.fsdp >= 1, f'mesh.fsdp must be >= 1, got {m.fsdp}'),

@@ -80,7 +80,8 @@ class Program:
     """The compiled train step for the static arguments in force at `step`."""
     fn = step_lib.make_train_step(self.apply_fn, self.method.tx, self.mesh,
                                   self.opt_specs,
-                                  self.method.update_kwargs(step))
+                                  self.method.update_kwargs(step),
+                                  self.cfg.data.micro_batches)
     return fn.lower(self.abstract_params, self.abstract_opt,
                     self.abstract_batch()).compile()
 
@@ -88,15 +89,18 @@ class Program:
 def build_program(cfg: config_lib.Config, devices=None) -> Program:
   """Builds the mesh, model functions, method and abstract state."""
   mesh = make_mesh(cfg.mesh, devices)
-  model_cfg = models.get_config(cfg.model.preset, remat=cfg.model.remat)
+  model_cfg = models.get_config(cfg.model.preset, remat=cfg.model.remat,
+                                attn_impl=cfg.model.attn_impl)
   if cfg.data.seq_len > model_cfg.max_seq_len:
     raise config_lib.ConfigError(
         f'data.seq_len={cfg.data.seq_len} exceeds the max_seq_len '
         f'{model_cfg.max_seq_len} of model {cfg.model.preset!r}.')
-  if cfg.data.batch_size % mesh.shape['data']:
+  per_worker, rest = divmod(cfg.data.batch_size, mesh.shape['data'])
+  if rest or per_worker % cfg.data.micro_batches:
     raise config_lib.ConfigError(
         f'data.batch_size={cfg.data.batch_size} is not divisible by the '
-        f'{mesh.shape["data"]} data-parallel workers.')
+        f'{mesh.shape["data"]} data-parallel workers times '
+        f'data.micro_batches={cfg.data.micro_batches}.')
   dtype = jnp.dtype(cfg.model.dtype)
   param_dtype = jnp.dtype(cfg.model.param_dtype)
 
