@@ -246,7 +246,6 @@ def scale_by_scape(
                            for i in range(len(levels))])
 
   def _update_at_level(grads, state, level, *, plan):
-    n = plan.num_workers
     f32 = jnp.float32
     g_l = [g.astype(f32) for g in plan.treedef.flatten_up_to(grads)]
     mu_l = plan.treedef.flatten_up_to(state.mu)
@@ -265,73 +264,39 @@ def scale_by_scape(
       ks.append(plan.ks(j, levels) if lay is not None else None)
       sparse.append(lay is not None and ks[j][level] < lay.chunk)
 
-    # The mask all-gather: every worker's own chunk mask, one buffer.
-    sends, enc = [], []
-    for j, lay in enumerate(plan.layouts):
-      if not sparse[j]:
-        enc.append(None)
-        continue
-      k = ks[j][level]
-      enc.append(lay.encoding(k, mask_encoding))
-      own = own_l[j][0]
-      if enc[j] == 'indices':
-        offs = masks.bits_to_offsets(masks.unpack_bits(own, lay.chunk), k)
-        own = jax.lax.bitcast_convert_type(offs, jnp.uint32)
-      sends.append(own)
-    offsets = [None] * len(plan.layouts)
-    mask_words = sum(s.shape[0] for s in sends)
+    # The mask all-gather: every worker's own chunk mask, one uint32 buffer.
+    live = [j for j in range(len(mt_l)) if sparse[j]]
+    sends = [_encode_own(own_l[j][0], plan.layouts[j], ks[j][level],
+                         mask_encoding) for j in live]
+    mask_words = sum(x.shape[0] for x in sends)
+    offsets = [None] * len(mt_l)
     if sends:
       buf = jnp.concatenate(sends)
-      allm = (buf[None] if axis_name is None else
-              all_gather_invariant(buf, axis_name))
-      pos = 0
-      for j, lay in enumerate(plan.layouts):
-        if not sparse[j]:
-          continue
-        k = ks[j][level]
-        w = lay.mask_words(k, mask_encoding)
-        part = allm[:, pos:pos + w]
-        pos += w
-        if enc[j] == 'indices':
-          offsets[j] = jax.lax.bitcast_convert_type(part, jnp.int32)
-        else:
-          offsets[j] = masks.bits_to_offsets(
-              masks.unpack_bits(part, lay.chunk), k)
+      gathered = (buf[None] if axis_name is None else
+                  all_gather_invariant(buf, axis_name))
+      for j, part in zip(live, _split(gathered, [x.shape[0] for x in sends])):
+        offsets[j] = _decode(part, plan.layouts[j], ks[j][level],
+                             mask_encoding)
 
     # The payload all-reduce: compacted values at M plus the dense leaves.
-    payload, chunks_l = [], [None] * len(mt_l)
-    for j, (mt, lay) in enumerate(zip(mt_l, plan.layouts)):
-      if sparse[j]:
-        chunks_l[j] = lay.to_chunks(mt)
-        payload.append(
-            jnp.take_along_axis(chunks_l[j], offsets[j], axis=1).reshape(-1))
-      else:
-        payload.append(mt.reshape(-1))
+    payload = [_compact(mt, plan.layouts[j], offsets[j]) if sparse[j] else
+               mt.reshape(-1) for j, mt in enumerate(mt_l)]
     flat = jnp.concatenate(payload)
     bbar_flat = flat if axis_name is None else jax.lax.pmean(flat, axis_name)
 
     # Unpack bbar; reconstruct the mean gradient at M (Eq. 3); new residual.
     bbar_l, gbar_l, new_res = [], [], []
-    pos = 0
-    rows = jnp.arange(n)[:, None]
-    for j, (mt, m, lay) in enumerate(zip(mt_l, mu_l, plan.layouts)):
-      shape = plan.shapes[j]
+    parts = _split(bbar_flat, [x.size for x in payload])
+    for j, (mt, m, vals) in enumerate(zip(mt_l, mu_l, parts)):
+      shape, lay = plan.shapes[j], plan.layouts[j]
       if sparse[j]:
-        cnt = offsets[j].size
-        vals = bbar_flat[pos:pos + cnt].reshape(offsets[j].shape)
-        in_m = jnp.zeros((n, lay.chunk), bool).at[rows, offsets[j]].set(True)
-        bbar = lay.from_chunks(
-            jnp.zeros((n, lay.chunk), f32).at[rows, offsets[j]].set(vals),
-            shape)
-        in_m = lay.from_chunks(in_m, shape)
+        bbar, in_m = _scatter(vals, lay, offsets[j], shape)
         new_res.append(jnp.where(in_m, 0.0, mt)[None])
         gbar = jnp.where(in_m, (bbar - b1 * m) / (1.0 - b1), 0.0)
       else:
-        cnt = mt.size
-        bbar = bbar_flat[pos:pos + cnt].reshape(shape)
+        bbar = vals.reshape(shape)
         gbar = (bbar - b1 * m) / (1.0 - b1)
         new_res.append(None if lay is None else jnp.zeros((1,) + shape, f32))
-      pos += cnt
       bbar_l.append(bbar)
       gbar_l.append(gbar)
 
@@ -346,26 +311,14 @@ def scale_by_scape(
                                          eps=eps)
 
     # The next mask: top-k of |m~| in this worker's own chunk (used at t+1).
-    new_own = []
-    for j, (mt, lay) in enumerate(zip(mt_l, plan.layouts)):
-      if lay is None:
-        new_own.append(None)
-        continue
-      k_tab = ks[j]
-      if min(k_tab) == lay.chunk:
-        bits = jnp.ones((lay.chunk,), bool)
-      else:
-        chunk = chunks_l[j] if sparse[j] else lay.to_chunks(mt)
-        mine = jnp.abs(jax.lax.dynamic_index_in_dim(chunk, me, 0, False))
-        valid = me * lay.chunk + jnp.arange(lay.chunk) < lay.size
-        k_next = jnp.asarray(k_tab, jnp.int32)[next_level]
-        bits = masks.chunk_topk_bits(mine, valid, k_tab[level], k_next)
-      new_own.append(masks.pack_bits(bits)[None])
+    new_own = [None if lay is None else _next_own_mask(
+        mt, lay, me, ks[j], level, next_level)
+               for j, (mt, lay) in enumerate(zip(mt_l, plan.layouts))]
 
     res_sq = sum((jnp.sum(r * r) for r in new_res if r is not None),
                  jnp.zeros([], f32))
     vary = functools.partial(_varying, axis_name=axis_name)
-    stats = _wire_stats(flat.size, mask_words, n)
+    stats = _wire_stats(flat.size, mask_words, plan.num_workers)
     new_state = ScaleByScapeState(
         count=count,
         mu=plan.treedef.unflatten(bbar_l),
@@ -382,6 +335,64 @@ def scale_by_scape(
     return plan.treedef.unflatten(direction), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _split(flat: jax.Array, sizes: Sequence[int]) -> list:
+  """Consecutive slices of `flat` along its last axis."""
+  bounds = np.cumsum([0] + list(sizes))
+  return [flat[..., a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _encode_own(own: jax.Array, lay: masks.LeafLayout, k: int,
+                encoding: str) -> jax.Array:
+  """This worker's chunk bitmap as sent: the bitmap or k offsets (uint32)."""
+  if lay.encoding(k, encoding) == 'bitmap':
+    return own
+  offs = masks.bits_to_offsets(masks.unpack_bits(own, lay.chunk), k)
+  return jax.lax.bitcast_convert_type(offs, jnp.uint32)
+
+
+def _decode(part: jax.Array, lay: masks.LeafLayout, k: int,
+            encoding: str) -> jax.Array:
+  """Gathered masks [N, words] -> ascending offsets int32[N, k] per chunk."""
+  if lay.encoding(k, encoding) == 'bitmap':
+    return masks.bits_to_offsets(masks.unpack_bits(part, lay.chunk), k)
+  return jax.lax.bitcast_convert_type(part, jnp.int32)
+
+
+def _compact(mt: jax.Array, lay: masks.LeafLayout,
+             offsets: jax.Array) -> jax.Array:
+  """The N*k values of m~ at the mask, chunk by chunk."""
+  return jnp.take_along_axis(lay.to_chunks(mt), offsets, axis=1).reshape(-1)
+
+
+def _scatter(values: jax.Array, lay: masks.LeafLayout, offsets: jax.Array,
+             shape) -> tuple:
+  """Compacted values -> (full-shape array zero outside M, bool mask M)."""
+  rows = jnp.arange(lay.num_chunks)[:, None]
+  full = jnp.zeros((lay.num_chunks, lay.chunk), values.dtype)
+  full = full.at[rows, offsets].set(values.reshape(offsets.shape))
+  in_m = jnp.zeros((lay.num_chunks, lay.chunk), bool).at[rows, offsets].set(
+      True)
+  return lay.from_chunks(full, shape), lay.from_chunks(in_m, shape)
+
+
+def _next_own_mask(mt: jax.Array, lay: masks.LeafLayout, me, ks: tuple,
+                   level: int, next_level: jax.Array) -> jax.Array:
+  """Top-k of |m~| in chunk `me`, k of the next step's level: uint32[1, w].
+
+  `ks[level]` (static) is the top-k width; levels never increase, so the
+  next step's k (traced) is a prefix of it.
+  """
+  if min(ks) == lay.chunk:  # dense at every level
+    bits = jnp.ones((lay.chunk,), bool)
+  else:
+    mine = jnp.abs(jax.lax.dynamic_index_in_dim(lay.to_chunks(mt), me, 0,
+                                                False))
+    valid = me * lay.chunk + jnp.arange(lay.chunk) < lay.size
+    k_next = jnp.asarray(ks, jnp.int32)[next_level]
+    bits = masks.chunk_topk_bits(mine, valid, ks[level], k_next)
+  return masks.pack_bits(bits)[None]
 
 
 def _wire_stats(payload_values: int, mask_words: int, n: int) -> float:
