@@ -12,8 +12,8 @@ import contextlib
 import io
 import json
 import os
+import math
 import sys
-import time
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 if 'host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):
@@ -48,10 +48,8 @@ def run(label, overrides, steps, out_root):
                                              f'--config.eval_every={steps}'])
   if os.path.exists(os.path.join(out_dir, 'ckpt')):
     raise SystemExit(f'{out_dir} exists; remove it for a fresh run')
-  t0 = time.perf_counter()
   with contextlib.redirect_stdout(io.StringIO()):
     summary = trainer.train(cfg)
-  seconds = time.perf_counter() - t0
   rows = read_jsonl(os.path.join(out_dir, 'metrics.jsonl'))
   train = [r for r in rows if r['split'] == 'train']
   return {
@@ -60,7 +58,6 @@ def run(label, overrides, steps, out_root):
       'final_loss': sum(summary['losses'][-10:]) / 10,
       'eval_loss': summary['eval_loss'],
       'bytes_per_step': train[-1]['comm_bytes'],
-      'seconds': seconds,
       'curve': [(r['step'], r['loss']) for r in train],
   }
 
@@ -100,16 +97,14 @@ def main():
       'changes between rows. Train loss is the mean of the last 10 steps; '
       'bytes are per device per step, read from the compiled train step.',
       '',
-      '| method | train loss | eval loss | eval ppl | bytes/step | vs AdamW |'
-      ' wall s |',
-      '|---|---|---|---|---|---|---|',
+      '| method | train loss | eval loss | eval ppl | bytes/step | vs AdamW |',
+      '|---|---|---|---|---|---|',
   ]
-  import math  # pylint: disable=g-import-not-at-top
   for r in results:
     lines.append(
         f'| {r["label"]} | {r["final_loss"]:.3f} | {r["eval_loss"]:.3f} | '
         f'{math.exp(r["eval_loss"]):.2f} | {r["bytes_per_step"]:,.0f} | '
-        f'{dense / r["bytes_per_step"]:.1f}x | {r["seconds"]:.0f} |')
+        f'{dense / r["bytes_per_step"]:.1f}x |')
   lines += [
       '',
       '![loss curves](bench/convergence.png)',
