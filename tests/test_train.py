@@ -126,6 +126,7 @@ def test_dry_run_reports_memory_without_allocating(corpus, tmp_path, capsys):
 
 @pytest.mark.parametrize('override, message', [
     ('--config.data.batch_size=12', 'not divisible by the 8'),
+    ('--config.data.micro_batches=3', 'data.micro_batches=3'),
     ('--config.data.seq_len=4096', 'exceeds the max_seq_len'),
     ('--config.mesh.data=3', 'mesh.data=3 does not fit'),
     ('--config.mesh.tensor=2', 'mesh.tensor=2'),
