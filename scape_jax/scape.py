@@ -474,7 +474,10 @@ def state_partition_specs(opt_state, axis_name: Optional[str] = 'data'):
 
 
 def scape_stats(opt_state) -> dict:
-  """The statistics of the first `ScaleByScapeState` in `opt_state`, or {}."""
+  """The statistics of the first `ScaleByScapeState` in `opt_state`, or {}.
+
+  `residual_norm` is per worker (a vector over the global state's workers).
+  """
   found = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_scape_state)
            if _is_scape_state(s)]
   if not found:
@@ -484,5 +487,5 @@ def scape_stats(opt_state) -> dict:
       'density': s.density,
       'payload_values': s.payload_values,
       'bytes_sent': s.bytes_sent,
-      'residual_norm': jnp.mean(s.residual_norm),
+      'residual_norm': s.residual_norm,
   }

@@ -197,7 +197,47 @@ def _global_batch(program: Program, local: dict) -> dict:
 
 
 def _fetch(tree):
-  return jax.tree.map(float, jax.device_get(tree))
+  """Device scalars (or per-worker vectors, averaged) -> Python floats."""
+  return jax.tree.map(lambda x: float(np.mean(x)), jax.device_get(tree))
+
+
+def _init_or_restore(program: Program, ckpt: Checkpointer, it):
+  """(start step, params, opt_state): the latest checkpoint, else a new run."""
+  start = ckpt.latest_step() or 0
+  if start:
+    target = {'params': program.abstract_params, 'opt': program.abstract_opt}
+    state, extras = ckpt.restore(start, target)
+    it.set_state(extras['data'])
+    return start, state['params'], state['opt']
+  p_shard, o_shard = program.state_shardings()
+  params = jax.jit(program.init_params, out_shardings=p_shard)()
+  with jax.set_mesh(program.mesh):
+    opt_state = jax.jit(program.method.tx.init, out_shardings=o_shard)(params)
+  return 0, params, opt_state
+
+
+class _StepPrograms:
+  """Compiles each distinct train-step program once (one per SCAPE level)."""
+
+  def __init__(self, program: Program):
+    self._program = program
+    self._compiled = {}
+
+  def _key(self, step):
+    return tuple(sorted(self._program.method.update_kwargs(step).items()))
+
+  def __call__(self, step: int):
+    """(executable, bytes sent per device) for the update after `step`."""
+    key = self._key(step)
+    if key not in self._compiled:
+      exe = self._program.compile_step(step)
+      self._compiled[key] = exe, comm.collectives_from_hlo(exe.as_text())
+    exe, cols = self._compiled[key]
+    return exe, comm.bytes_sent(cols)
+
+  def collectives(self, step: int):
+    self(step)
+    return self._compiled[self._key(step)][1]
 
 
 def train(cfg: config_lib.Config, devices=None) -> dict:
@@ -222,29 +262,10 @@ def train(cfg: config_lib.Config, devices=None) -> dict:
       process_count=jax.process_count())]
   leader = jax.process_index() == 0
   ckpt = Checkpointer(os.path.join(cfg.out_dir, 'ckpt'))
-  start = ckpt.latest_step() or 0
-  p_shard, o_shard = program.state_shardings()
-  if start:
-    target = {'params': program.abstract_params, 'opt': program.abstract_opt}
-    state, extras = ckpt.restore(start, target)
-    params, opt_state = state['params'], state['opt']
-    it.set_state(extras['data'])
-    if leader:
-      print(f'resumed from {cfg.out_dir}/ckpt step {start}')
-  else:
-    params = jax.jit(program.init_params, out_shardings=p_shard)()
-    with jax.set_mesh(program.mesh):
-      opt_state = jax.jit(program.method.tx.init,
-                          out_shardings=o_shard)(params)
-
-  compiled = {}  # static update arguments -> (executable, collectives)
-
-  def step_fn(step):
-    key = tuple(sorted(program.method.update_kwargs(step).items()))
-    if key not in compiled:
-      exe = program.compile_step(step)
-      compiled[key] = exe, comm.collectives_from_hlo(exe.as_text())
-    return compiled[key][0], comm.bytes_sent(compiled[key][1])
+  start, params, opt_state = _init_or_restore(program, ckpt, it)
+  if start and leader:
+    print(f'resumed from {cfg.out_dir}/ckpt step {start}')
+  programs = _StepPrograms(program)
 
   eval_fn = step_lib.make_eval_step(program.apply_fn, program.mesh)
   logger = MetricsLogger(cfg.out_dir, enabled=leader)
@@ -263,12 +284,12 @@ def train(cfg: config_lib.Config, devices=None) -> dict:
     return loss
 
   for step in range(start, cfg.steps):
-    fn, nbytes = step_fn(step)
+    fn, nbytes = programs(step)
     if step == start:  # compile the final-level program before timing
-      steady, _ = step_fn(cfg.steps - 1)
+      programs(cfg.steps - 1)
       if leader:
         print('collectives of the train step, per device per step:')
-        print(comm.format_table(comm.collectives_from_hlo(steady.as_text())))
+        print(comm.format_table(programs.collectives(cfg.steps - 1)))
       t_log = time.perf_counter()
     batch = _global_batch(program, next(it))
     params, opt_state, m = fn(params, opt_state, batch)
