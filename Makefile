@@ -23,3 +23,11 @@ dry-run:
 results:
 	rm -rf runs/convergence
 	$(CPU8) $(PY) bench/convergence.py --steps 300
+
+# Regenerates docs/bench/ (tables, CSV/JSON, plot); see docs/benchmarks.md.
+bench:
+	JAX_PLATFORMS=cpu $(PY) bench/comm_volume.py
+	JAX_PLATFORMS=cpu $(PY) bench/optimizer_overhead.py
+	JAX_PLATFORMS=cpu $(PY) bench/projected_step_time.py --model llama500m --workers 32
+	JAX_PLATFORMS=cpu $(PY) bench/projected_step_time.py --model llama500m --workers 32 --effective-tflops 400 --tokens-per-worker 131072
+	JAX_PLATFORMS=cpu $(PY) bench/projected_step_time.py --model llama1.8b --workers 32 --effective-tflops 400 --tokens-per-worker 65536

@@ -1,0 +1,397 @@
+"""Bytes each device sends per train step, measured from the compiled program.
+
+For every (model, N, method) the REAL train step (`trainer.build_program` +
+`Program.compile_step`, shard_map over 'data', forward/backward and the
+optimizer's exchange) is compiled from abstract shapes for N simulated CPU
+devices, and its collectives are read from the optimized HLO
+(`scape_jax.comm`). Next to each measured figure stands the analytic one:
+
+  dense AdamW/AdamS  2 (N-1)/N * 4 * params                  (ring all-reduce)
+  SCAPE              payload 2 (N-1)/N * 4 * V, V = sum over compressed
+                     leaves of N*k values + the dense leaves' elements
+                     mask    (N-1)/N * 4 * N * w, w = one worker's mask words
+                     (design note, section 3; `masks.LeafLayout`)
+
+A compressed leaf whose k equals its chunk (density 1) is sent dense and has no
+mask, exactly as `scale_by_scape` does. Measured minus analytic is reported,
+never hidden.
+
+Rows whose program is provably identical to one already compiled share it:
+`mask_encoding='auto'` resolves to one encoding per leaf, and when that is the
+same encoding on every leaf as 'bitmap' (or 'indices'), SCAPE traces the same
+program (the encoding enters only through `LeafLayout.encoding`). Such rows
+say so in the `program` column; `--no-dedupe` compiles them anyway.
+
+  python bench/comm_volume.py                       # the full table + plot
+  python bench/comm_volume.py --models llama-tiny --workers 8 --no-plot
+"""
+
+import argparse
+import concurrent.futures as cf
+import csv
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+if 'jax' not in sys.modules:  # Scripts only; tests set their own devices.
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+  _flags = os.environ.get('XLA_FLAGS', '')
+  if 'xla_force_host_platform_device_count' not in _flags:
+    _flags += ' --xla_force_host_platform_device_count=32'
+  os.environ['XLA_FLAGS'] = _flags.strip()
+
+import jax  # noqa: E402
+
+from scape_jax import comm  # noqa: E402
+from scape_jax import config as config_lib  # noqa: E402
+from scape_jax import masks  # noqa: E402
+from scape_jax import trainer  # noqa: E402
+
+MODELS = ('llama-tiny', 'gpt345m', 'llama500m', 'llama1.8b')
+WORKERS = (8, 32)
+DENSITIES = (0.1, 0.01)
+ENCODINGS = ('bitmap', 'indices', 'auto')
+PLOT_DENSITIES = (1.0, 0.1, 0.03, 0.01, 0.001)
+PLOT_MODEL, PLOT_N = 'llama500m', 32
+# Only LLVM's optimization of the generated CPU code; HLO passes (where the
+# collectives are formed and combined) are unaffected. `--full-backend-opt`.
+FAST_BACKEND_FLAG = '--xla_backend_optimization_level=0'
+OUT = os.path.join(ROOT, 'docs', 'bench')
+CSV_FIELDS = ('model', 'params', 'N', 'method', 'density', 'encoding',
+              'resolved', 'measured_bytes', 'analytic_bytes', 'diff_bytes',
+              'measured_allreduce_bytes', 'measured_allgather_bytes',
+              'analytic_payload_bytes', 'analytic_mask_bytes',
+              'reduction_measured', 'reduction_analytic', 'program',
+              'compile_s')
+
+
+# ----------------------------------------------------------------------------
+# Analytic figures.
+
+
+def dense_bytes(params: int, n: int) -> float:
+  """Dense AdamW/AdamS: one ring all-reduce of every fp32 gradient."""
+  return comm.ring_all_reduce_bytes(4 * params, n)
+
+
+def scape_bytes(shapes, n: int, density: float, encoding: str) -> dict:
+  """SCAPE's bytes per device per step (design note section 3).
+
+  Args:
+    shapes: the parameter shapes; leaves with ndim >= 2 are compressed.
+    n: data-parallel workers.
+    density: the density in force (steady state).
+    encoding: requested mask encoding, 'auto' | 'bitmap' | 'indices'.
+
+  Returns:
+    payload_values, mask_words (one worker's), payload_bytes, mask_bytes,
+    bytes (their sum), resolved (the set of per-leaf encodings used) and
+    per_leaf (each leaf's wire encoding, None where it is sent dense).
+  """
+  values, words, per_leaf = 0, 0, []
+  for shape in shapes:
+    size = math.prod(shape)
+    enc = None
+    if len(shape) >= 2:
+      lay = masks.LeafLayout.create(size, n)
+      k = masks.chunk_k(density, lay.chunk)
+      if k < lay.chunk:  # Sparse: N chunks of k values, plus the mask.
+        enc = lay.encoding(k, encoding)
+        values += n * k
+        words += lay.mask_words(k, encoding)
+    if enc is None:
+      values += size  # Dense leaf (or k == chunk): every element.
+    per_leaf.append(enc)
+  payload = comm.ring_all_reduce_bytes(4 * values, n)
+  mask = comm.ring_all_gather_bytes(4 * words * n, n) if words else 0.0
+  return {'payload_values': values, 'mask_words': words,
+          'payload_bytes': payload, 'mask_bytes': mask,
+          'bytes': payload + mask, 'per_leaf': tuple(per_leaf),
+          'resolved': {e for e in per_leaf if e is not None}}
+
+
+def resolved_name(resolved) -> str:
+  if not resolved:
+    return 'dense'
+  return next(iter(resolved)) if len(resolved) == 1 else 'mixed'
+
+
+# ----------------------------------------------------------------------------
+# Measurement.
+
+
+def make_config(model: str, n: int, method: str, density=None,
+                encoding=None, seq_len: int = 128) -> config_lib.Config:
+  over = [f'--config.model.preset={model}', f'--config.optimizer.name={method}',
+          f'--config.mesh.data={n}', f'--config.data.batch_size={n}',
+          f'--config.data.seq_len={seq_len}']
+  if method == 'scape':
+    over += [f'--config.optimizer.density={density}',
+             f'--config.optimizer.mask_encoding={encoding}',
+             '--config.optimizer.density_warmup_steps=0']
+  return config_lib.load(None, over)
+
+
+def measure(cfg: config_lib.Config) -> dict:
+  """Compiles the steady-state train step; its collectives and timing."""
+  n = cfg.mesh.data
+  program = trainer.build_program(cfg, jax.devices()[:n])
+  t0 = time.perf_counter()
+  compiled = program.compile_step(cfg.steps)
+  seconds = time.perf_counter() - t0
+  cols = comm.collectives_from_hlo(compiled.as_text())
+  by_kind = {}
+  for c in cols:
+    by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.bytes_sent
+  return {
+      'params': trainer.param_count(program),
+      'shapes': [list(x.shape) for x in
+                 jax.tree.leaves(program.abstract_params)],
+      'measured_bytes': comm.bytes_sent(cols),
+      'complete': all(c.count is not None for c in cols),
+      'by_kind': by_kind, 'compile_s': seconds,
+      'collectives': [{'kind': c.kind, 'dtype': c.dtype,
+                       'elements': c.elements, 'group_size': c.group_size,
+                       'count': c.count, 'bytes': c.bytes,
+                       'bytes_sent': c.bytes_sent, 'name': c.name,
+                       'note': c.note} for c in cols],
+  }
+
+
+def run_group(task) -> list:
+  """One (model, N, method[, density]) group: compiles each distinct program.
+
+  Returns one row per requested encoding (one row for dense methods).
+  """
+  model, n, method, density, encodings, dedupe = task
+  if method != 'scape':
+    m = measure(make_config(model, n, method))
+    return [dict(m, model=model, N=n, method=method, density=None,
+                 encoding=None, resolved='dense', program='compiled',
+                 analytic=dense_bytes(m['params'], n))]
+  done, rows, shapes = {}, [], None  # per-leaf encodings -> measurement
+  # Explicit encodings first so that 'auto' can share their program.
+  for enc in sorted(encodings, key=lambda e: e == 'auto'):
+    an = shapes and scape_bytes(shapes, n, density, enc)
+    if dedupe and an and an['per_leaf'] in done:
+      m, source = done[an['per_leaf']]
+      m, program = dict(m, compile_s=0.0), (
+          f'shared with {source} (same per-leaf encodings)')
+    else:
+      m, program = measure(make_config(model, n, 'scape', density, enc)), (
+          'compiled')
+      shapes = shapes or [tuple(s) for s in m['shapes']]
+      an = scape_bytes(shapes, n, density, enc)
+      done.setdefault(an['per_leaf'], (m, enc))
+    rows.append(dict(m, model=model, N=n, method='scape', density=density,
+                     encoding=enc, resolved=resolved_name(an['resolved']),
+                     program=program, analytic=an['bytes'],
+                     analytic_payload=an['payload_bytes'],
+                     analytic_mask=an['mask_bytes']))
+  order = {e: i for i, e in enumerate(encodings)}
+  return sorted(rows, key=lambda r: order[r['encoding']])
+
+
+def _init_worker(xla_flags):
+  os.environ['XLA_FLAGS'] = xla_flags
+
+
+def run_all(tasks, jobs: int) -> list:
+  """Runs the groups, `jobs` processes at a time, biggest models first."""
+  size = {m: i for i, m in enumerate(MODELS)}
+  tasks = sorted(tasks, key=lambda t: (-size.get(t[0], 0), -t[1]))
+  if jobs <= 1:
+    return [r for t in tasks for r in _log(run_group(t))]
+  ctx = multiprocessing.get_context('spawn')
+  rows = []
+  with cf.ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init_worker,
+                              initargs=(os.environ['XLA_FLAGS'],)) as ex:
+    futures = [ex.submit(run_group, t) for t in tasks]
+    for f in cf.as_completed(futures):
+      rows += _log(f.result())
+  return rows
+
+
+def _log(rows):
+  for r in rows:
+    print(f'  {r["model"]:>10} N={r["N"]:<2} {label(r):<24} '
+          f'{r["measured_bytes"] / 1e6:12.4f} MB  compile {r["compile_s"]:.1f}'
+          f' s  ({r["program"]})', flush=True)
+  return rows
+
+
+# ----------------------------------------------------------------------------
+# Output.
+
+
+def label(r) -> str:
+  if r['method'] != 'scape':
+    return r['method']
+  return f'scape d={r["density"]:g} {r["encoding"]}'
+
+
+def finish(rows) -> list:
+  """Adds diffs and reductions vs dense AdamW of the same (model, N)."""
+  base = {(r['model'], r['N']): r for r in rows if r['method'] == 'adamw'}
+  for r in rows:
+    r['diff_bytes'] = r['measured_bytes'] - r['analytic']
+    b = base.get((r['model'], r['N']))
+    r['reduction_measured'] = (b['measured_bytes'] / r['measured_bytes']
+                               if b else None)
+    r['reduction_analytic'] = b['analytic'] / r['analytic'] if b else None
+  return rows
+
+
+def markdown(rows) -> str:
+  head = ('| model | params | N | method | measured MB | analytic MB | '
+          'measured - analytic (B) | all-reduce MB | all-gather MB | '
+          'reduction vs AdamW (measured) | (analytic) | program |')
+  lines = [head, '|' + '---|' * 12]
+  for r in rows:
+    red, red_a = r['reduction_measured'], r['reduction_analytic']
+    red = '-' if red is None else f'{red:.1f}x'
+    red_a = '-' if red_a is None else f'{red_a:.1f}x'
+    kinds = r['by_kind']
+    lines.append(
+        f'| {r["model"]} | {r["params"] / 1e6:.1f}M | {r["N"]} | {label(r)} | '
+        f'{r["measured_bytes"] / 1e6:.3f} | {r["analytic"] / 1e6:.3f} | '
+        f'{r["diff_bytes"]:+.1f} | {kinds.get("all-reduce", 0) / 1e6:.3f} | '
+        f'{kinds.get("all-gather", 0) / 1e6:.3f} | {red} | {red_a} | '
+        f'{r["program"]} |')
+  return '\n'.join(lines)
+
+
+def csv_row(r) -> dict:
+  return {
+      'model': r['model'], 'params': r['params'], 'N': r['N'],
+      'method': r['method'], 'density': r['density'] or '',
+      'encoding': r['encoding'] or '', 'resolved': r['resolved'],
+      'measured_bytes': f'{r["measured_bytes"]:.1f}',
+      'analytic_bytes': f'{r["analytic"]:.1f}',
+      'diff_bytes': f'{r["diff_bytes"]:.1f}',
+      'measured_allreduce_bytes': f'{r["by_kind"].get("all-reduce", 0):.1f}',
+      'measured_allgather_bytes': f'{r["by_kind"].get("all-gather", 0):.1f}',
+      'analytic_payload_bytes': f'{r.get("analytic_payload", r["analytic"]):.1f}',
+      'analytic_mask_bytes': f'{r.get("analytic_mask", 0.0):.1f}',
+      'reduction_measured': f'{r["reduction_measured"]:.3f}',
+      'reduction_analytic': f'{r["reduction_analytic"]:.3f}',
+      'program': r['program'], 'compile_s': f'{r["compile_s"]:.1f}',
+  }
+
+
+def plot(rows, path: str) -> None:
+  """Bytes per step vs density on PLOT_MODEL at PLOT_N, each encoding."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  import numpy as np
+  pts = [r for r in rows if (r['model'], r['N']) == (PLOT_MODEL, PLOT_N)]
+  dense = next(r for r in pts if r['method'] == 'adamw')
+  shapes = [tuple(s) for s in dense['shapes']]
+  grid = np.logspace(-3, 0, 121)
+  fig, ax = plt.subplots(figsize=(7.5, 5))
+  ax.axhline(dense['measured_bytes'] / 1e6, color='k', lw=1.2,
+             label='dense AdamW (measured)')
+  styles = {'bitmap': ('C0', 'o'), 'indices': ('C1', 's'), 'auto': ('C2', 'x')}
+  for enc, (color, marker) in styles.items():
+    ax.plot(grid, [scape_bytes(shapes, PLOT_N, float(d), enc)['bytes'] / 1e6
+                   for d in grid], color=color, lw=1, alpha=0.7,
+            ls='--' if enc == 'auto' else '-', label=f'{enc} (analytic)')
+    got = sorted((r['density'], r['measured_bytes']) for r in pts
+                 if r['method'] == 'scape' and r['encoding'] == enc)
+    ax.plot([d for d, _ in got], [b / 1e6 for _, b in got], ls='none',
+            marker=marker, color=color, ms=8 if marker == 'x' else 6,
+            mfc='none' if marker != 'x' else None,
+            label=f'{enc} (measured, compiled HLO)')
+  ax.set(xscale='log', yscale='log', xlabel='density d',
+         ylabel='MB sent per device per step (1 MB = 1e6 B)',
+         title=f'SCAPE bytes per step: {PLOT_MODEL}, N={PLOT_N}')
+  ax.grid(True, which='both', alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--models', nargs='+', default=list(MODELS))
+  p.add_argument('--workers', nargs='+', type=int, default=list(WORKERS))
+  p.add_argument('--densities', nargs='+', type=float, default=list(DENSITIES))
+  p.add_argument('--plot-densities', nargs='+', type=float,
+                 default=list(PLOT_DENSITIES))
+  p.add_argument('--no-plot', action='store_true')
+  p.add_argument('--no-dedupe', action='store_true')
+  p.add_argument('--jobs', type=int, default=2)
+  p.add_argument('--full-backend-opt', action='store_true',
+                 help=f'do not add {FAST_BACKEND_FLAG} (compiles slower)')
+  p.add_argument('--out', default=OUT)
+  args = p.parse_args(argv)
+  if not args.full_backend_opt and 'backend_optimization' not in (
+      os.environ['XLA_FLAGS']):  # Read when the backend starts, not at import.
+    os.environ['XLA_FLAGS'] += ' ' + FAST_BACKEND_FLAG
+  t0 = time.perf_counter()
+  dedupe = not args.no_dedupe
+  tasks = []
+  for model in args.models:
+    for n in args.workers:
+      tasks += [(model, n, m, None, None, dedupe) for m in ('adamw', 'adams')]
+      tasks += [(model, n, 'scape', d, ENCODINGS, dedupe)
+                for d in args.densities]
+  table_keys = {(t[0], t[1], t[2], t[3]) for t in tasks}
+  plotting = (not args.no_plot and PLOT_MODEL in args.models and
+              PLOT_N in args.workers)
+  if plotting:
+    tasks += [(PLOT_MODEL, PLOT_N, 'scape', d, ENCODINGS, dedupe)
+              for d in args.plot_densities
+              if (PLOT_MODEL, PLOT_N, 'scape', d) not in table_keys]
+  n_groups = len(tasks)
+  print(f'{n_groups} groups of programs to compile, {args.jobs} at a time; '
+        f'XLA_FLAGS={os.environ["XLA_FLAGS"]!r}', flush=True)
+  rows = finish(run_all(tasks, args.jobs))
+  order = {m: i for i, m in enumerate(args.models)}
+  rows.sort(key=lambda r: (order[r['model']], r['N'],
+                           ['adamw', 'adams', 'scape'].index(r['method']),
+                           -(r['density'] or 2),
+                           ENCODINGS.index(r['encoding'] or 'auto')))
+  table = [r for r in rows if (r['model'], r['N'], r['method'],
+                               r['density']) in table_keys]
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, 'comm_volume.csv'), 'w', newline='') as f:
+    w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+    w.writeheader()
+    w.writerows(csv_row(r) for r in table)
+  elapsed = time.perf_counter() - t0
+  meta = {'command': ' '.join(['python', 'bench/comm_volume.py'] +
+                              (sys.argv[1:] if argv is None else argv)),
+          'jax': jax.__version__, 'xla_flags': os.environ['XLA_FLAGS'],
+          'seq_len': 128, 'batch_size': 'N (one sequence per worker)',
+          'mb': 1e6, 'wall_s': elapsed}
+  with open(os.path.join(args.out, 'comm_volume.json'), 'w') as f:
+    json.dump({'meta': meta, 'rows': [
+        {k: (sorted(v) if isinstance(v, set) else v) for k, v in r.items()
+         if k != 'shapes'} for r in rows]}, f, indent=1)
+  with open(os.path.join(args.out, 'comm_volume.md'), 'w') as f:
+    f.write(f'<!-- {meta["command"]} -->\n{markdown(table)}\n')
+  print()
+  print(markdown(table))
+  if plotting:
+    png = os.path.join(args.out, 'comm_vs_density.png')
+    plot(rows, png)
+    print(f'\nplot: {png}')
+  incomplete = [label(r) for r in rows if not r['complete']]
+  if incomplete:
+    print(f'WARNING: collectives with unknown count in {incomplete}')
+  print(f'\n{len(rows)} rows from {n_groups} groups in {elapsed:.0f} s; '
+        f'wrote {args.out}/comm_volume.csv, .json and .md')
+  return rows
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,66 @@
+"""Tests for bench/comm_volume.py: the analytic bytes, and the measured bytes
+of a compiled llama-tiny train step against them."""
+
+import importlib.util
+import os
+
+import pytest
+
+from scape_jax import comm
+
+_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), 'bench',
+                     'comm_volume.py')
+_spec = importlib.util.spec_from_file_location('comm_volume', _PATH)
+cv = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cv)
+
+
+def test_dense_bytes():
+  assert cv.dense_bytes(100, 4) == pytest.approx(2 * 3 / 4 * 400)
+  assert cv.dense_bytes(100, 1) == 0.0
+
+
+# Hand computation, N=4, density 0.25:
+#   (8, 4):  32 elements, chunk 8, k = 2, bitmap 1 word, offsets 2 words.
+#   (16,):   dense, 16 values, no mask.
+#   (3, 5):  15 elements, chunk 4 (one padding slot), k = 1, 1 word either way.
+# Payload 4*2 + 16 + 4*1 = 28 values; 'auto' picks the bitmap (k >= words).
+SHAPES = [(8, 4), (16,), (3, 5)]
+
+
+@pytest.mark.parametrize('encoding,words', [('bitmap', 2), ('indices', 3),
+                                            ('auto', 2)])
+def test_scape_bytes_by_hand(encoding, words):
+  got = cv.scape_bytes(SHAPES, 4, 0.25, encoding)
+  assert got['payload_values'] == 28
+  assert got['mask_words'] == words
+  assert got['payload_bytes'] == pytest.approx(2 * 3 / 4 * 4 * 28)
+  assert got['mask_bytes'] == pytest.approx(3 / 4 * 4 * words * 4)
+  assert got['bytes'] == pytest.approx(168 + 3 * 4 * words)
+  assert got['per_leaf'] == ('indices' if encoding == 'indices' else 'bitmap',
+                             None, 'indices' if encoding == 'indices'
+                             else 'bitmap')
+
+
+def test_scape_bytes_auto_picks_offsets_and_density_one_is_dense():
+  # (64, 32) over N=2: chunk 1024, 32 bitmap words, k = ceil(10.24) = 11.
+  got = cv.scape_bytes([(64, 32)], 2, 0.01, 'auto')
+  assert (got['payload_values'], got['mask_words']) == (22, 11)
+  assert got['per_leaf'] == ('indices',)
+  assert cv.scape_bytes([(64, 32)], 2, 0.01, 'bitmap')['mask_words'] == 32
+  dense = cv.scape_bytes([(64, 32), (7,)], 2, 1.0, 'bitmap')
+  assert (dense['payload_values'], dense['mask_words']) == (2048 + 7, 0)
+  assert dense['bytes'] == pytest.approx(cv.dense_bytes(2048 + 7, 2))
+
+
+def test_measured_llama_tiny_matches_analytic():
+  cfg = cv.make_config('llama-tiny', 8, 'scape', 0.01, 'auto')
+  m = cv.measure(cfg)
+  shapes = [tuple(s) for s in m['shapes']]
+  an = cv.scape_bytes(shapes, 8, 0.01, 'auto')
+  assert m['complete']
+  assert m['measured_bytes'] == pytest.approx(an['bytes'], rel=0.05)
+  assert m['by_kind']['all-gather'] == pytest.approx(an['mask_bytes'])
+  # The all-reduce also carries the train step's 2-float metrics pmean.
+  assert m['by_kind']['all-reduce'] == pytest.approx(
+      an['payload_bytes'] + comm.ring_all_reduce_bytes(2 * 4, 8))
