@@ -196,9 +196,14 @@ def _global_batch(program: Program, local: dict) -> dict:
           for k, v in local.items()}
 
 
-def _fetch(tree):
-  """Device scalars (or per-worker vectors, averaged) -> Python floats."""
-  return jax.tree.map(lambda x: float(np.mean(x)), jax.device_get(tree))
+def _fetch(metrics: dict) -> dict:
+  """Device scalars (or per-worker vectors, averaged) -> Python floats.
+
+  A per-worker vector spans every process's devices; its mean is computed on
+  the devices (replicated) so that each process can read it.
+  """
+  return {k: float(jax.device_get(jnp.mean(v) if jnp.ndim(v) else v))
+          for k, v in metrics.items()}
 
 
 def _init_or_restore(program: Program, ckpt: Checkpointer, it):
