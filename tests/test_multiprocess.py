@@ -10,8 +10,7 @@ gradient exchange (SCAPE's sparse collectives) and the optimizer are the same.
 Each run compiles the train step (two programs for SCAPE: the dense first
 step and the sparse steady state), which dominates the runtime. Both runs use
 the same XLA flags that cut CPU compile time (backend optimization level 0),
-so the comparison is still exact. Set SCAPE_JAX_SLOW_TESTS=1 to also run the
-AdamW case.
+so the comparison is still exact.
 """
 
 import json
@@ -146,12 +145,7 @@ def data_dir(tmp_path_factory):
   return path
 
 
-@pytest.mark.parametrize('optimizer', [
-    'scape',
-    pytest.param('adamw', marks=pytest.mark.skipif(
-        not os.environ.get('SCAPE_JAX_SLOW_TESTS'),
-        reason='slow (two more compiles); set SCAPE_JAX_SLOW_TESTS=1')),
-])
+@pytest.mark.parametrize('optimizer', ['scape', 'adamw'])
 def test_two_processes_match_one_process(optimizer, data_dir, tmp_path):
   # Run A: 1 process, 2 devices.
   out_a = tmp_path / 'a'
