@@ -240,6 +240,15 @@ class _StepPrograms:
     exe, cols = self._compiled[key]
     return exe, comm.bytes_sent(cols)
 
+  def compile_all(self, start: int, end: int) -> None:
+    """Compiles every program that the updates after start..end-1 use."""
+    last = self._key(end - 1)
+    for step in range(start, end):
+      self(step)
+      if self._key(step) == last:  # levels only go down; the rest is last
+        break
+    self(end - 1)
+
   def collectives(self, step: int):
     self(step)
     return self._compiled[self._key(step)][1]
@@ -290,8 +299,8 @@ def train(cfg: config_lib.Config, devices=None) -> dict:
 
   for step in range(start, cfg.steps):
     fn, nbytes = programs(step)
-    if step == start:  # compile the final-level program before timing
-      programs(cfg.steps - 1)
+    if step == start:  # compile every level's program before timing
+      programs.compile_all(start, cfg.steps)
       if leader:
         print('collectives of the train step, per device per step:')
         print(comm.format_table(programs.collectives(cfg.steps - 1)))
