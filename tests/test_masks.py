@@ -1,0 +1,71 @@
+"""The jnp mask primitives (future Pallas references) against NumPy."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scape_jax import masks
+
+
+@pytest.mark.parametrize('c', [1, 31, 32, 33, 100])
+def test_pack_bits_is_little_endian_uint32_and_round_trips(c):
+  rng = np.random.default_rng(c)
+  bits = rng.random((3, c)) < 0.3
+  words = np.asarray(masks.pack_bits(jnp.asarray(bits)))
+  assert words.dtype == np.uint32 and words.shape == (3, -(-c // 32))
+  padded = np.zeros((3, words.shape[1] * 32), bool)
+  padded[:, :c] = bits
+  expected = np.packbits(padded, axis=1, bitorder='little').view('<u4')
+  np.testing.assert_array_equal(words, expected)
+  np.testing.assert_array_equal(
+      np.asarray(masks.unpack_bits(jnp.asarray(words), c)), bits)
+
+
+def test_offsets_and_bits_are_inverse():
+  rng = np.random.default_rng(0)
+  c, k = 50, 7
+  offs = np.sort(np.stack([rng.choice(c, k, replace=False) for _ in range(4)]),
+                 axis=1)
+  bits = np.asarray(masks.offsets_to_bits(jnp.asarray(offs), c))
+  assert bits.sum(axis=1).tolist() == [k] * 4
+  np.testing.assert_array_equal(
+      np.asarray(masks.bits_to_offsets(jnp.asarray(bits), k)), offs)
+
+
+@pytest.mark.parametrize('width, k', [(5, 5), (5, 2), (40, 3), (40, 40)])
+def test_chunk_topk_matches_stable_numpy_ranking(width, k):
+  rng = np.random.default_rng(width + k)
+  scores = np.abs(rng.normal(size=40)).astype(np.float32)
+  scores[[3, 9, 17]] = 0.5  # ties go to the lower offset
+  valid = np.arange(40) < 33  # the last 7 positions are padding
+  bits = np.asarray(masks.chunk_topk_bits(
+      jnp.asarray(scores), jnp.asarray(valid), width, jnp.int32(k)))
+  order = np.argsort(-np.where(valid, scores, -1.0), kind='stable')
+  expected = np.zeros(40, bool)
+  expected[order[:k]] = True
+  np.testing.assert_array_equal(bits, expected)
+
+
+def test_padding_is_chosen_only_after_every_real_entry():
+  scores = jnp.zeros(8)
+  valid = jnp.arange(8) < 3
+  bits = np.asarray(masks.chunk_topk_bits(scores, valid, 5, jnp.int32(5)))
+  assert bits[:3].all() and bits.sum() == 5
+
+
+@pytest.mark.parametrize('density, chunk, k', [
+    (0.1, 30, 3), (0.1, 31, 4), (0.01, 2048, 21), (1.0, 7, 7), (1e-9, 10, 1)])
+def test_chunk_k_is_exact_ceiling(density, chunk, k):
+  assert masks.chunk_k(density, chunk) == k
+
+
+def test_auto_encoding_sends_the_smaller_mask():
+  lay = masks.LeafLayout.create(size=7 * 2340, num_chunks=8)
+  assert lay.chunk == 2048 and lay.words == 64 and lay.padded == 2048 * 8
+  assert lay.encoding(63, 'auto') == 'indices'
+  assert lay.encoding(64, 'auto') == 'bitmap'
+  assert lay.mask_words(21, 'auto') == 21
+  assert lay.mask_words(21, 'bitmap') == 64
+  x = jnp.arange(lay.size, dtype=jnp.float32).reshape(-1, 7)
+  np.testing.assert_array_equal(
+      np.asarray(lay.from_chunks(lay.to_chunks(x), x.shape)), np.asarray(x))
