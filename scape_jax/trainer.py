@@ -247,7 +247,6 @@ class _StepPrograms:
       self(step)
       if self._key(step) == last:  # levels only go down; the rest is last
         break
-    self(end - 1)
 
   def collectives(self, step: int):
     self(step)
@@ -307,8 +306,7 @@ def train(cfg: config_lib.Config, devices=None) -> dict:
       t_log = time.perf_counter()
     batch = _global_batch(program, next(it))
     params, opt_state, m = fn(params, opt_state, batch)
-    m = dict(m, lr=program.method.learning_rate(step), comm_bytes=nbytes,
-             **scape_stats(opt_state))
+    m = dict(m, comm_bytes=nbytes, **scape_stats(opt_state))
     pending.append((step + 1, m))
     done = step + 1
     if done % cfg.log_every == 0 or done == cfg.steps:
@@ -316,6 +314,7 @@ def train(cfg: config_lib.Config, devices=None) -> dict:
       elapsed = time.perf_counter() - t_log
       tps = tokens_per_step * len(pending) / max(elapsed, 1e-9)
       for s, x in fetched:
+        x['lr'] = float(program.method.learning_rate(s - 1))
         logger.log(s, dict(x, tokens_per_s=tps))
         history.append(x['loss'])
       s, x = fetched[-1]
