@@ -45,15 +45,15 @@ def _cluster_env() -> bool:
 
 def main(argv=None) -> int:
   args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-  from scape_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from scape_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
   try:
     cfg = config_lib.load(args.config, overrides)
   except (config_lib.ConfigError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
 
-  from scape_jax import trainer  # pylint: disable=g-import-not-at-top
-  from scape_jax.checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
+  from scape_jax import train as trainer  # pylint: disable=g-import-not-at-top
+  from scape_jax.train.checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
   from scape_jax.data.prepare import CorpusError  # pylint: disable=g-import-not-at-top
   need = trainer.required_devices(cfg)
   flags = os.environ.get('XLA_FLAGS', '')

@@ -4,7 +4,7 @@ For every (model, N, method) the REAL train step (`trainer.build_program` +
 `Program.compile_step`, shard_map over 'data', forward/backward and the
 optimizer's exchange) is compiled from abstract shapes for N simulated CPU
 devices, and its collectives are read from the optimized HLO
-(`scape_jax.comm`). Next to each measured figure stands the analytic one:
+(`scape_jax.analysis`). Next to each measured figure stands the analytic one:
 
   dense AdamW/AdamS  2 (N-1)/N * 4 * params                  (ring all-reduce)
   SCAPE              payload 2 (N-1)/N * 4 * V, V = sum over compressed
@@ -48,10 +48,10 @@ if 'jax' not in sys.modules:  # Scripts only; tests set their own devices.
 
 import jax  # noqa: E402
 
-from scape_jax import comm  # noqa: E402
-from scape_jax import config as config_lib  # noqa: E402
-from scape_jax import masks  # noqa: E402
-from scape_jax import trainer  # noqa: E402
+from scape_jax import analysis  # noqa: E402
+from scape_jax.train import config as config_lib  # noqa: E402
+from scape_jax.comm import masks  # noqa: E402
+from scape_jax import train as trainer  # noqa: E402
 
 MODELS = ('llama-tiny', 'gpt345m', 'llama500m', 'llama1.8b')
 WORKERS = (8, 32)
@@ -77,7 +77,7 @@ CSV_FIELDS = ('model', 'params', 'N', 'method', 'density', 'encoding',
 
 def dense_bytes(params: int, n: int) -> float:
   """Dense AdamW/AdamS: one ring all-reduce of every fp32 gradient."""
-  return comm.ring_all_reduce_bytes(4 * params, n)
+  return analysis.ring_all_reduce_bytes(4 * params, n)
 
 
 def scape_bytes(shapes, n: int, density: float, encoding: str) -> dict:
@@ -100,16 +100,16 @@ def scape_bytes(shapes, n: int, density: float, encoding: str) -> dict:
     enc = None
     if len(shape) >= 2:
       lay = masks.LeafLayout.create(size, n)
-      k = masks.chunk_k(density, lay.chunk)
-      if k < lay.chunk:  # Sparse: N chunks of k values, plus the mask.
+      k = masks.chunk_k(density, lay.chunk_size)
+      if k < lay.chunk_size:  # Sparse: N chunks of k values, plus the mask.
         enc = lay.encoding(k, encoding)
         values += n * k
         words += lay.mask_words(k, encoding)
     if enc is None:
       values += size  # Dense leaf (or k == chunk): every element.
     per_leaf.append(enc)
-  payload = comm.ring_all_reduce_bytes(4 * values, n)
-  mask = comm.ring_all_gather_bytes(4 * words * n, n) if words else 0.0
+  payload = analysis.ring_all_reduce_bytes(4 * values, n)
+  mask = analysis.ring_all_gather_bytes(4 * words * n, n) if words else 0.0
   return {'payload_values': values, 'mask_words': words,
           'payload_bytes': payload, 'mask_bytes': mask,
           'bytes': payload + mask, 'per_leaf': tuple(per_leaf),
@@ -132,9 +132,9 @@ def make_config(model: str, n: int, method: str, density=None,
           f'--config.mesh.data={n}', f'--config.data.batch_size={n}',
           f'--config.data.seq_len={seq_len}']
   if method == 'scape':
-    over += [f'--config.optimizer.density={density}',
-             f'--config.optimizer.mask_encoding={encoding}',
-             '--config.optimizer.density_warmup_steps=0']
+    over += [f'--config.optimizer.scape.density={density}',
+             f'--config.optimizer.scape.mask_encoding={encoding}',
+             '--config.optimizer.scape.density_warmup_steps=0']
   return config_lib.load(None, over)
 
 
@@ -145,7 +145,7 @@ def measure(cfg: config_lib.Config) -> dict:
   t0 = time.perf_counter()
   compiled = program.compile_step(cfg.steps)
   seconds = time.perf_counter() - t0
-  cols = comm.collectives_from_hlo(compiled.as_text())
+  cols = analysis.collectives_from_hlo(compiled.as_text())
   by_kind = {}
   for c in cols:
     by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.bytes_sent
@@ -153,7 +153,7 @@ def measure(cfg: config_lib.Config) -> dict:
       'params': trainer.param_count(program),
       'shapes': [list(x.shape) for x in
                  jax.tree.leaves(program.abstract_params)],
-      'measured_bytes': comm.bytes_sent(cols),
+      'measured_bytes': analysis.bytes_sent(cols),
       'complete': all(c.count is not None for c in cols),
       'by_kind': by_kind, 'compile_s': seconds,
       'collectives': [{'kind': c.kind, 'dtype': c.dtype,

@@ -26,18 +26,18 @@ import matplotlib  # noqa: E402
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
 
-from scape_jax import config as config_lib  # noqa: E402
-from scape_jax import trainer  # noqa: E402
-from scape_jax.metrics import read_jsonl  # noqa: E402
+from scape_jax.train import config as config_lib  # noqa: E402
+from scape_jax import train as trainer  # noqa: E402
+from scape_jax.train.metrics import read_jsonl  # noqa: E402
 
 CONFIG = 'configs/shakespeare_llama_tiny.py'
 RUNS = [  # (label, overrides)
     ('AdamW', ['--config.optimizer.name=adamw']),
     ('AdamS', ['--config.optimizer.name=adams']),
     ('SCAPE d=0.1', ['--config.optimizer.name=scape',
-                     '--config.optimizer.density=0.1']),
+                     '--config.optimizer.scape.density=0.1']),
     ('SCAPE d=0.01', ['--config.optimizer.name=scape',
-                      '--config.optimizer.density=0.01']),
+                      '--config.optimizer.scape.density=0.01']),
 ]
 
 

@@ -40,7 +40,7 @@ from flax import nnx  # noqa: E402
 
 import models  # noqa: E402
 import scape_jax  # noqa: E402
-from scape_jax import masks  # noqa: E402
+from scape_jax.comm import masks  # noqa: E402
 
 OUT = os.path.join(ROOT, 'docs', 'bench')
 LR, B1, B2, WD = 1e-3, 0.9, 0.95, 0.1
@@ -91,12 +91,12 @@ def topk_seconds(params, density: float, n: int) -> float:
   leaf (ndim >= 2), its chunk 0 of the layout over `n` workers."""
   leaves = [x for x in jax.tree.leaves(params) if x.ndim >= 2]
   lays = [masks.LeafLayout.create(x.size, n) for x in leaves]
-  ks = [masks.chunk_k(density, lay.chunk) for lay in lays]
+  ks = [masks.chunk_k(density, lay.chunk_size) for lay in lays]
 
   @jax.jit
   def select(leaves):
     return [masks.chunk_topk_bits(
-        jnp.abs(lay.to_chunks(x)[0]), jnp.ones((lay.chunk,), bool), k,
+        jnp.abs(lay.to_chunks(x)[0]), jnp.ones((lay.chunk_size,), bool), k,
         jnp.int32(k)) for x, lay, k in zip(leaves, lays, ks)]
 
   t0 = time.perf_counter()

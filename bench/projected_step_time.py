@@ -106,7 +106,7 @@ def cpu_compute_seconds(model: str, micro_batch: int, seq_len: int,
   import jax.numpy as jnp
   from flax import nnx
   import models
-  from scape_jax import step as step_lib
+  from scape_jax.train import step as step_lib
   cfg = models.get_config(model)
   graphdef, state = nnx.split(models.build(cfg, rngs=nnx.Rngs(0)), nnx.Param)
   tokens = jnp.zeros((micro_batch, seq_len), jnp.int32)

@@ -5,7 +5,7 @@
 model = dict(preset='gpt345m')
 optimizer = dict(name='scape', lr=1.5e-4, warmup_steps=5000,
                  min_lr_ratio=1e-5 / 1.5e-4, b2=0.999, weight_decay=0.01,
-                 density=0.01, density_warmup_steps=1000)
+                 scape=dict(density=0.01, density_warmup_steps=1000))
 data = dict(seq_len=1024, batch_size=512, micro_batches=4)
 mesh = dict(data=32)
 steps = 100_000

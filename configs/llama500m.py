@@ -5,7 +5,7 @@
 # with --config.data.corpus=DIR. On GPUs add --config.model.attn_impl=cudnn.
 model = dict(preset='llama500m', remat=True)
 optimizer = dict(name='scape', lr=3e-4, warmup_steps=2000, min_lr_ratio=0.1,
-                 density=0.01, density_warmup_steps=1000)
+                 scape=dict(density=0.01, density_warmup_steps=1000))
 data = dict(seq_len=4096, batch_size=1024, micro_batches=32)
 mesh = dict(data=32)
 steps = 100_000

@@ -1,8 +1,8 @@
 # The README demo: a tiny Llama on the Shakespeare plays, 8 simulated CPU
 # devices, SCAPE at 5% density. Override anything with --config.KEY=VALUE.
 model = dict(preset='llama-tiny', dtype='float32')
-optimizer = dict(name='scape', lr=3e-3, warmup_steps=30, density=0.05,
-                 density_warmup_steps=50)
+optimizer = dict(name='scape', lr=3e-3, warmup_steps=30,
+                 scape=dict(density=0.05, density_warmup_steps=50))
 data = dict(corpus='shakespeare', seq_len=128, batch_size=32)
 mesh = dict(data=8)
 steps = 300

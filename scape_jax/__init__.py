@@ -3,18 +3,24 @@
 Optimizers are optax transformations called inside `jax.shard_map` with each
 worker's local gradients; the sparse ones do the data-parallel exchange
 themselves.
+
+Layout: `optim/` (one module per method), `outer/` (methods that wrap an
+inner optimizer), `comm/` (the exchange's building blocks), `kernels/`
+(Pallas), `sharding/` (mesh, specs, layouts), `train/` (config, step,
+trainer, checkpoints, metrics), `data/` and `analysis/` (bytes read from
+compiled programs).
 """
 
-from scape_jax.adams import ScaleByAdamSState
-from scape_jax.adams import adams
-from scape_jax.adams import pmean_gradients
-from scape_jax.adams import scale_by_adams
-from scape_jax.scape import DensitySchedule
-from scape_jax.scape import ScaleByScapeState
-from scape_jax.scape import scale_by_scape
-from scape_jax.scape import scape
-from scape_jax.scape import scape_stats
-from scape_jax.scape import state_partition_specs
+from scape_jax.comm.collectives import pmean_gradients
+from scape_jax.optim import DensitySchedule
+from scape_jax.optim import ScaleByAdamSState
+from scape_jax.optim import ScaleByScapeState
+from scape_jax.optim import adams
+from scape_jax.optim import scale_by_adams
+from scape_jax.optim import scale_by_scape
+from scape_jax.optim import scape
+from scape_jax.optim import scape_stats
+from scape_jax.sharding.specs import state_partition_specs
 
 __all__ = [
     'DensitySchedule',

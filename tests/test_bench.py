@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from scape_jax import comm
+from scape_jax import analysis
 
 _PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), 'bench',
                      'comm_volume.py')
@@ -63,4 +63,4 @@ def test_measured_llama_tiny_matches_analytic():
   assert m['by_kind']['all-gather'] == pytest.approx(an['mask_bytes'])
   # The all-reduce also carries the train step's 2-float metrics pmean.
   assert m['by_kind']['all-reduce'] == pytest.approx(
-      an['payload_bytes'] + comm.ring_all_reduce_bytes(2 * 4, 8))
+      an['payload_bytes'] + analysis.ring_all_reduce_bytes(2 * 4, 8))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from scape_jax import checkpoint
+from scape_jax.train import checkpoint
 
 EXTRAS = {'config': {'optimizer': {'name': 'scape', 'lr': 3e-4}},
           'data': {'position': 1234, 'epoch': 2}, 'note': None}

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from scape_jax import config as config_lib
-from scape_jax import trainer
+from scape_jax.train import config as config_lib
+from scape_jax import train as trainer
 from scape_jax.data.prepare import make_synthetic_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,7 +23,7 @@ def _run(*args, timeout=300):
 @pytest.mark.parametrize('args, message', [
     (['--config.optimizer.lrr=1'], "unknown config key 'optimizer.lrr'"),
     (['--config.steps=abc'], "'steps': expected int, got 'abc'"),
-    (['--config.optimizer.density=1.5'], 'density'),
+    (['--config.optimizer.scape.density=1.5'], 'density'),
     (['--config', 'configs/nope.py'], 'configs/nope.py'),
 ])
 def test_bad_config_is_a_clear_error(args, message):

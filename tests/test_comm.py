@@ -22,7 +22,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import pytest
 
-from scape_jax import comm
+from scape_jax import analysis
 
 MESH = jax.make_mesh((8,), ('data',))
 MESH2 = jax.make_mesh((2, 4), ('a', 'b'))
@@ -39,7 +39,7 @@ def _smap(f, in_specs=P('data'), out_specs=P('data'), mesh=MESH):
 
 
 def _one(cols):
-  assert len(cols) == 1, comm.format_table(cols)
+  assert len(cols) == 1, analysis.format_table(cols)
   return cols[0]
 
 
@@ -48,18 +48,18 @@ def _one(cols):
 
 
 def test_psum_all_reduce():
-  c = _one(comm.collectives(_smap(lambda x: lax.psum(x, 'data')),
+  c = _one(analysis.collectives(_smap(lambda x: lax.psum(x, 'data')),
                             _sds((8000,))))
   assert (c.kind, c.dtype, c.elements, c.group_size, c.count) == (
       'all-reduce', 'f32', 1000, 8, 1)
   assert c.bytes == 4000
   assert c.bytes_sent == pytest.approx(2 * 7 / 8 * 4000)
-  assert comm.bytes_sent([c]) == pytest.approx(2 * 7 / 8 * 4000)
+  assert analysis.bytes_sent([c]) == pytest.approx(2 * 7 / 8 * 4000)
 
 
 def test_all_gather_counts_output():
   f = _smap(lambda x: lax.all_gather(x, 'data', tiled=True))
-  c = _one(comm.collectives(f, _sds((128,))))
+  c = _one(analysis.collectives(f, _sds((128,))))
   assert (c.kind, c.dtype, c.elements, c.group_size) == (
       'all-gather', 'f32', 128, 8)
   assert c.bytes_sent == pytest.approx(7 / 8 * 512)
@@ -67,20 +67,20 @@ def test_all_gather_counts_output():
 
 def test_psum_scatter_reduce_scatter_counts_input():
   f = _smap(lambda x: lax.psum_scatter(x, 'data', tiled=True))
-  c = _one(comm.collectives(f, _sds((512,))))
+  c = _one(analysis.collectives(f, _sds((512,))))
   assert (c.kind, c.elements, c.group_size) == ('reduce-scatter', 64, 8)
   assert c.bytes_sent == pytest.approx(7 / 8 * 256)
 
 
 def test_ppermute_and_all_to_all():
   ring = [(i, (i + 1) % 8) for i in range(8)]
-  c = _one(comm.collectives(_smap(lambda x: lax.ppermute(x, 'data', ring)),
+  c = _one(analysis.collectives(_smap(lambda x: lax.ppermute(x, 'data', ring)),
                             _sds((128,))))
   assert (c.kind, c.elements, c.group_size) == ('collective-permute', 16, 8)
   assert c.bytes_sent == 64
   # CPU emits the tuple form: 8 operands of f32[8]; S is their sum.
   f = _smap(lambda x: lax.all_to_all(x, 'data', 0, 0, tiled=True))
-  c = _one(comm.collectives(f, _sds((512,))))
+  c = _one(analysis.collectives(f, _sds((512,))))
   assert (c.kind, c.dtype, c.elements, c.group_size) == (
       'all-to-all', 'f32', 64, 8)
   assert c.bytes_sent == pytest.approx(7 / 8 * 256)
@@ -90,11 +90,11 @@ def test_sub_groups_of_2d_mesh():
   spec = P(('a', 'b'))
   f = _smap(lambda x: (lax.psum(x, 'b'), lax.psum(x, 'a')), in_specs=spec,
             out_specs=(spec, spec), mesh=MESH2)
-  cols = comm.collectives(f, _sds((64,), spec=spec, mesh=MESH2))
+  cols = analysis.collectives(f, _sds((64,), spec=spec, mesh=MESH2))
   assert sorted(c.group_size for c in cols) == [2, 4]
   f = _smap(lambda x: lax.psum(x, ('a', 'b')), in_specs=spec, out_specs=spec,
             mesh=MESH2)
-  assert _one(comm.collectives(f, _sds((64,), spec=spec,
+  assert _one(analysis.collectives(f, _sds((64,), spec=spec,
                                        mesh=MESH2))).group_size == 8
 
 
@@ -102,21 +102,21 @@ def test_gspmd_mesh_axes_replica_groups():
   x = _sds((8, 16), spec=P('a', 'b'), mesh=MESH2)
   f = jax.jit(lambda x: jnp.sum(x, axis=0),
               out_shardings=NamedSharding(MESH2, P('b')))
-  c = _one(comm.collectives(f, x))
+  c = _one(analysis.collectives(f, x))
   assert (c.kind, c.elements, c.group_size) == ('all-reduce', 4, 2)
-  c = _one(comm.collectives(lambda x: jnp.sum(x), _sds((64,))))  # Not jitted.
+  c = _one(analysis.collectives(lambda x: jnp.sum(x), _sds((64,))))  # Not jitted.
   assert (c.kind, c.elements, c.group_size) == ('all-reduce', 1, 8)
 
 
 def test_dtypes():
   f = _smap(lambda x: lax.psum(x, 'data'))
-  c = _one(comm.collectives(f, _sds((64,), jnp.int32)))
+  c = _one(analysis.collectives(f, _sds((64,), jnp.int32)))
   assert (c.dtype, c.elements, c.bytes) == ('s32', 8, 32)
   f = _smap(lambda x: lax.all_gather(x, 'data', tiled=True))
-  c = _one(comm.collectives(f, _sds((64,), jnp.uint8)))
+  c = _one(analysis.collectives(f, _sds((64,), jnp.uint8)))
   assert (c.dtype, c.elements, c.bytes) == ('u8', 64, 64)
   # bf16: CPU XLA promotes the collective to f32; other backends keep bf16.
-  c = _one(comm.collectives(_smap(lambda x: lax.psum(x, 'data')),
+  c = _one(analysis.collectives(_smap(lambda x: lax.psum(x, 'data')),
                             _sds((64,), jnp.bfloat16)))
   on_cpu = jax.default_backend() == 'cpu'
   assert (c.dtype, c.bytes) == (('f32', 32) if on_cpu else ('bf16', 16))
@@ -125,9 +125,9 @@ def test_dtypes():
 def test_combined_psums_tuple_all_reduce():
   f = _smap(lambda x, y: (lax.psum(x, 'data'), lax.psum(y, 'data')),
             in_specs=(P('data'), P('data')), out_specs=(P('data'), P('data')))
-  cols = comm.collectives(f, _sds((64,)), _sds((32,)))
+  cols = analysis.collectives(f, _sds((64,)), _sds((32,)))
   assert sum(c.elements for c in cols) == 8 + 4
-  assert comm.bytes_sent(cols) == pytest.approx(2 * 7 / 8 * 48)
+  assert analysis.bytes_sent(cols) == pytest.approx(2 * 7 / 8 * 48)
 
 
 def _loop(x):
@@ -137,13 +137,13 @@ def _loop(x):
 def test_fori_loop_trip_count():
   f, x = _smap(_loop), _sds((128,))
   text = f.lower(x).compile().as_text()
-  cols = comm.collectives(f, x)
+  cols = analysis.collectives(f, x)
   if 'known_trip_count' in text:  # What jax 0.10.2 on CPU does.
     c = _one(cols)
     assert (c.count, c.note) == (5, '')
     assert c.bytes_sent == pytest.approx(5 * 2 * 7 / 8 * 64)
   elif 'while(' in text:
-    assert all(c.count is None and c.note == comm.NOTE_TRIP_UNKNOWN
+    assert all(c.count is None and c.note == analysis.NOTE_TRIP_UNKNOWN
                for c in cols)
   else:  # Unrolled: five separate all-reduces.
     assert sum(c.count for c in cols) == 5
@@ -152,7 +152,7 @@ def test_fori_loop_trip_count():
 def test_nested_loops_multiply():
   body = lambda i, c: lax.fori_loop(0, 4, lambda j, d: lax.psum(d, 'data'), c)
   f = _smap(lambda x: lax.fori_loop(0, 3, body, x))
-  cols = comm.collectives(f, _sds((128,)))
+  cols = analysis.collectives(f, _sds((128,)))
   assert sum(c.count for c in cols) == 12
 
 
@@ -161,19 +161,19 @@ def test_data_dependent_while_not_guessed():
     cond = lambda c: c[0] < c[1][0]
     body = lambda c: (c[0] + 1, lax.psum(c[1], 'data'))
     return lax.while_loop(cond, body, (0, x))[1]
-  c = _one(comm.collectives(_smap(f), _sds((128,))))
-  assert c.count is None and c.note == comm.NOTE_TRIP_UNKNOWN
-  assert c.bytes_sent == 0 and comm.bytes_sent([c]) == 0
-  assert 'INCOMPLETE' in comm.format_table([c])
+  c = _one(analysis.collectives(_smap(f), _sds((128,))))
+  assert c.count is None and c.note == analysis.NOTE_TRIP_UNKNOWN
+  assert c.bytes_sent == 0 and analysis.bytes_sent([c]) == 0
+  assert 'INCOMPLETE' in analysis.format_table([c])
 
 
 def test_cond_branch_flagged():
   f = _smap(lambda x: lax.cond(x[0] > 0, lambda c: lax.psum(c, 'data'),
                                lambda c: c * 2, x))
-  c = _one(comm.collectives(f, _sds((128,))))
+  c = _one(analysis.collectives(f, _sds((128,))))
   assert c.kind == 'all-reduce'
-  assert c.count is None and c.note == comm.NOTE_IN_BRANCH
-  assert 'INCOMPLETE' in comm.format_table([c])
+  assert c.count is None and c.note == analysis.NOTE_IN_BRANCH
+  assert 'INCOMPLETE' in analysis.format_table([c])
 
 
 # --------------------------------------------------------------------------
@@ -200,7 +200,7 @@ def test_parse_tuple_all_reduce_mixed_dtypes():
   %p2 = bf16[64]{0} parameter(2)
   ROOT %ar = (f32[1000]{0}, f32[24]{0}, /*index=2*/bf16[64]{0}) all-reduce(%p0, %p1, %p2), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add, metadata={op_name="body=%x"}""",
                 params='p0: f32[1000], p1: f32[24], p2: bf16[64]')
-  cols = comm.collectives_from_hlo(hlo, 8)
+  cols = analysis.collectives_from_hlo(hlo, 8)
   got = {(c.kind, c.dtype, c.elements, c.group_size, c.count) for c in cols}
   assert got == {('all-reduce', 'f32', 1024, 4, 1),
                  ('all-reduce', 'bf16', 64, 4, 1)}
@@ -217,9 +217,9 @@ def test_parse_replica_groups(groups, n):
   hlo = _module(f"""
   %p = f32[16]{{0}} parameter(0)
   ROOT %ar = f32[16]{{0}} all-reduce(%p), channel_id=1, replica_groups={groups}, use_global_device_ids=true, to_apply=%add""")
-  c = _one(comm.collectives_from_hlo(hlo, 8))
+  c = _one(analysis.collectives_from_hlo(hlo, 8))
   assert c.group_size == n
-  assert c.bytes_sent == pytest.approx(comm.ring_all_reduce_bytes(64, n))
+  assert c.bytes_sent == pytest.approx(analysis.ring_all_reduce_bytes(64, n))
 
 
 def test_parse_async_pairs_counted_once():
@@ -240,7 +240,7 @@ def test_parse_async_pairs_counted_once():
   %slc = f32[64]{0} slice(%cpd), slice={[0:64]}
   %as = ((f32[64]{0}), f32[8]{0}, s32[]) async-start(%slc), calls=%wrapped_rs
   ROOT %ad = f32[8]{0} async-done(%as), calls=%wrapped_rs""", extra=wrapped)
-  cols = comm.collectives_from_hlo(hlo)  # num_devices from the header.
+  cols = analysis.collectives_from_hlo(hlo)  # num_devices from the header.
   got = [(c.kind, c.elements, c.group_size, c.count) for c in cols]
   assert sorted(got) == sorted([('all-gather', 128, 8, 1),
                                 ('all-reduce', 128, 8, 1),
@@ -252,7 +252,7 @@ def test_parse_inline_operand_shapes_and_f8():
   hlo = ('ENTRY %e (p: f8e4m3fn[32]) -> f8e4m3fn[256] {\n'
          '  ROOT %ag = f8e4m3fn[256]{0} all-gather(f8e4m3fn[32]{0} %p), '
          'replica_groups={}, dimensions={0}\n}\n')
-  c = _one(comm.collectives_from_hlo(hlo, 8))
+  c = _one(analysis.collectives_from_hlo(hlo, 8))
   assert (c.dtype, c.elements, c.bytes) == ('f8e4m3fn', 256, 256)
 
 
@@ -278,8 +278,8 @@ _LOOPS = """
     ('{"known_trip_count":{"n":"3"}}', '{"known_trip_count":{"n":"4"}}', 12,
      ''),
     ('"{\\"known_trip_count\\":{\\"n\\":\\"3\\"}}"', '{}', None,
-     comm.NOTE_TRIP_UNKNOWN),
-    ('{}', '{"known_trip_count":{"n":"4"}}', None, comm.NOTE_TRIP_UNKNOWN),
+     analysis.NOTE_TRIP_UNKNOWN),
+    ('{}', '{"known_trip_count":{"n":"4"}}', None, analysis.NOTE_TRIP_UNKNOWN),
 ])
 def test_parse_nested_while_and_conditional(outer, inner, count, note):
   hlo = _module(f"""
@@ -287,20 +287,20 @@ def test_parse_nested_while_and_conditional(outer, inner, count, note):
   %w0 = (s32[], f32[16]{{0}}) while(%t0), condition=%c, body=%outer_body, backend_config={outer}
   ROOT %cd = f32[16]{{0}} conditional(%pred, %p, %p), true_computation=%br, false_computation=%add""",
                 extra=_LOOPS.replace('TRIP', inner))
-  cols = {c.kind: c for c in comm.collectives_from_hlo(hlo, 8)}
+  cols = {c.kind: c for c in analysis.collectives_from_hlo(hlo, 8)}
   assert (cols['all-reduce'].count, cols['all-reduce'].note) == (count, note)
   assert cols['all-to-all'].count is None
-  assert cols['all-to-all'].note == comm.NOTE_IN_BRANCH
-  table = comm.format_table(list(cols.values()))
+  assert cols['all-to-all'].note == analysis.NOTE_IN_BRANCH
+  table = analysis.format_table(list(cols.values()))
   assert 'INCOMPLETE' in table and 'all-to-all' in table
 
 
 def test_ring_helpers_and_group_of_one():
-  assert comm.ring_all_reduce_bytes(800, 8) == pytest.approx(1400)
-  assert comm.ring_all_gather_bytes(800, 8) == pytest.approx(700)
-  assert comm.ring_reduce_scatter_bytes(800, 4) == pytest.approx(600)
-  assert comm.ring_all_reduce_bytes(800, 1) == 0
-  c = comm.Collective('collective-permute', 'bf16', 10, 1, 3, 'x')
+  assert analysis.ring_all_reduce_bytes(800, 8) == pytest.approx(1400)
+  assert analysis.ring_all_gather_bytes(800, 8) == pytest.approx(700)
+  assert analysis.ring_reduce_scatter_bytes(800, 4) == pytest.approx(600)
+  assert analysis.ring_all_reduce_bytes(800, 1) == 0
+  c = analysis.Collective('collective-permute', 'bf16', 10, 1, 3, 'x')
   assert (c.bytes, c.bytes_sent) == (20, 0)
-  c = comm.Collective('collective-permute', 'bf16', 10, 2, 3, 'x')
+  c = analysis.Collective('collective-permute', 'bf16', 10, 2, 3, 'x')
   assert c.bytes_sent == 60

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from scape_jax import config
+from scape_jax.train import config
 
 
 def _write(tmp_path, text: str) -> str:
@@ -26,12 +26,13 @@ def test_file_states_only_changes(tmp_path):
       import math
       _hidden = 123
       model = dict(preset='llama500m')
-      optimizer = dict(name='scape', density=0.01, lr=3e-4)
+      optimizer = dict(name='scape', lr=3e-4, scape=dict(density=0.01))
       steps = 100_000
       """)
   cfg = config.load(path)
   assert cfg.model.preset == 'llama500m'
   assert cfg.optimizer.name == 'scape' and cfg.optimizer.lr == 3e-4
+  assert cfg.optimizer.scape.density == 0.01
   assert cfg.steps == 100_000
   # Everything not stated keeps its default.
   default = config.Config()
@@ -69,10 +70,29 @@ def test_unknown_key_in_file(tmp_path):
   path = _write(tmp_path, "optimizer = dict(nmae='scape')\n")
   with pytest.raises(config.ConfigError, match=r'optimizer\.nmae') as e:
     config.load(path)
-  assert 'name' in str(e.value) and 'density' in str(e.value)
+  assert 'name' in str(e.value) and 'scape' in str(e.value)
   path = _write(tmp_path, 'stpes = 10\n')
   with pytest.raises(config.ConfigError, match=r"'stpes'.*steps"):
     config.load(path)
+
+
+def test_a_methods_own_key_outside_its_section_names_the_section():
+  with pytest.raises(config.ConfigError,
+                     match=r"'optimizer.scape.density'"):
+    config.load(None, ['--config.optimizer.density=0.1'])
+
+
+def test_sections_of_unselected_methods_are_checked_too():
+  with pytest.raises(config.ConfigError, match=r'optimizer.scape: density'):
+    config.load(None, ['--config.optimizer.name=adamw',
+                       '--config.optimizer.scape.density=2'])
+
+
+def test_allowed_names_come_from_the_registry():
+  from scape_jax.train import methods
+  with pytest.raises(config.ConfigError) as e:
+    config.load(None, ['--config.optimizer.name=sgd'])
+  assert all(name in str(e.value) for name in methods.names())
 
 
 def test_unknown_key_in_override():
@@ -120,14 +140,18 @@ def test_malformed_overrides(override):
 
 
 @pytest.mark.parametrize('override,match', [
-    ('--config.optimizer.density=0', 'density'),
-    ('--config.optimizer.density=1.5', 'density'),
+    ('--config.optimizer.scape.density=0', 'density'),
+    ('--config.optimizer.scape.density=1.5', 'density'),
     ('--config.steps=0', 'steps'),
     ('--config.optimizer.lr=0', 'lr'),
     ('--config.optimizer.lr=nan', 'lr'),
+    ('--config.optimizer.lr=inf', 'lr'),
+    ('--config.optimizer.eps=0', 'eps'),
+    ('--config.optimizer.b1=-0.1', 'b1'),
+    ('--config.mesh.replica=0', 'mesh.replica'),
     ('--config.optimizer.name=sgd', 'optimizer.name'),
     ('--config.optimizer.decay=linear', 'decay'),
-    ('--config.optimizer.mask_encoding=rle', 'mask_encoding'),
+    ('--config.optimizer.scape.mask_encoding=rle', 'mask_encoding'),
     ('--config.optimizer.b2=1', 'b2'),
     ('--config.optimizer.min_lr_ratio=2', 'min_lr_ratio'),
     ('--config.optimizer.warmup_steps=-1', 'warmup_steps'),
@@ -145,7 +169,7 @@ def test_validate_errors(override, match):
 def test_validate_lists_every_problem():
   cfg = config.Config()
   cfg.steps = 0
-  cfg.optimizer.density = 0.0
+  cfg.optimizer.scape.density = 0.0
   with pytest.raises(config.ConfigError) as e:
     config.validate(cfg)
   assert 'steps' in str(e.value) and 'density' in str(e.value)
@@ -180,6 +204,6 @@ def test_from_dict_is_strict():
 
 def test_format_is_short_and_complete():
   text = config.format(config.load(None, ['--config.optimizer.lr=0.001']))
-  assert len(text.splitlines()) == 5
+  assert len(text.splitlines()) == 5  # adamw has no section of its own
   assert 'lr=0.001' in text and "preset='llama-tiny'" in text
   assert 'steps=1000' in text

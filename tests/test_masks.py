@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scape_jax import masks
+from scape_jax.comm import masks
 
 
 @pytest.mark.parametrize('c', [1, 31, 32, 33, 100])
@@ -61,7 +61,7 @@ def test_chunk_k_is_exact_ceiling(density, chunk, k):
 
 def test_auto_encoding_sends_the_smaller_mask():
   lay = masks.LeafLayout.create(size=7 * 2340, num_chunks=8)
-  assert lay.chunk == 2048 and lay.words == 64 and lay.padded == 2048 * 8
+  assert lay.chunk_size == 2048 and lay.words == 64 and lay.padded == 2048 * 8
   assert lay.encoding(63, 'auto') == 'indices'
   assert lay.encoding(64, 'auto') == 'bitmap'
   assert lay.mask_words(21, 'auto') == 21

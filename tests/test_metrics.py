@@ -9,7 +9,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from scape_jax import metrics
+from scape_jax.train import metrics
 
 
 def test_jsonl_and_tensorboard(tmp_path):

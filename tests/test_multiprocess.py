@@ -72,7 +72,7 @@ def _config_args(data_dir, out_dir, optimizer: str) -> list:
       'model.dtype': 'float32',
       'mesh.data': 2,
       'optimizer.name': optimizer,
-      'optimizer.density': 0.1,
+      'optimizer.scape.density': 0.1,
       'optimizer.lr': 3e-3,
       'optimizer.warmup_steps': 1,  # real updates from step 2 on
       'steps': STEPS,

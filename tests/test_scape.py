@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import scape_jax
-from scape_jax import masks
+from scape_jax.comm import masks
 from tests.reference import ScapeReference, adams_reference, k_of
 
 
@@ -157,7 +157,7 @@ def test_chunk_mask_invariants(n):
 
 
 def test_wire_bytes_from_compiled_step():
-  from scape_jax import comm
+  from scape_jax import analysis
   params = _params(0, {'w1': (256, 64), 'w2': (128, 96), 'b': (64,),
                        's': (96,)})
   n, density = 8, 0.01
@@ -169,11 +169,11 @@ def test_wire_bytes_from_compiled_step():
                                        sharding=NamedSharding(run.mesh,
                                                               P('data'))),
         params)
-    cols = comm.collectives(run._step(1), run.params, run.state, grads)
+    cols = analysis.collectives(run._step(1), run.params, run.state, grads)
     selected, words = 0, 0
     for name in ('w1', 'w2'):
       lay = masks.LeafLayout.create(params[name].size, n)
-      k = k_of(density, lay.chunk)
+      k = k_of(density, lay.chunk_size)
       selected += n * k
       words += lay.mask_words(k, encoding)
     dense = params['b'].size + params['s'].size
@@ -182,7 +182,7 @@ def test_wire_bytes_from_compiled_step():
     assert sum(c.elements for c in reduce) <= 1.05 * (selected + dense)
     assert sum(c.elements for c in reduce) >= selected + dense
     smallest = min(params['w1'].size, params['w2'].size)
-    assert all(c.elements < smallest for c in cols), comm.format_table(cols)
+    assert all(c.elements < smallest for c in cols), analysis.format_table(cols)
     assert len(gather) == 1 and gather[0].elements == n * words
     assert gather[0].dtype in ('u32', 's32')
   # At 1% auto sends offsets: k words per leaf instead of c/32.

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from scape_jax import step as step_lib
+from scape_jax.train import step as step_lib
 
 
 def _loss(params, batch):

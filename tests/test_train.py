@@ -7,10 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from scape_jax import comm
-from scape_jax import config as config_lib
-from scape_jax import masks
-from scape_jax import trainer
+from scape_jax import analysis
+from scape_jax.train import config as config_lib
+from scape_jax.comm import masks
+from scape_jax import train as trainer
 from scape_jax.data.prepare import make_synthetic_corpus
 
 
@@ -49,7 +49,7 @@ def test_two_step_smoke_per_family(corpus, tmp_path, preset):
 
 
 def test_resume_is_bit_exact(corpus, tmp_path):
-  args = ('--config.optimizer.name=scape', '--config.optimizer.density=0.1',
+  args = ('--config.optimizer.name=scape', '--config.optimizer.scape.density=0.1',
           '--config.eval_every=0')
   straight = trainer.train(_cfg(corpus, tmp_path / 'a', '--config.steps=6',
                                 *args))
@@ -70,8 +70,8 @@ def test_scape_trains_like_adams(corpus, tmp_path):
   for name in ('adams', 'scape'):
     cfg = _cfg(corpus, tmp_path / name, '--config.steps=50',
                '--config.eval_every=0', f'--config.optimizer.name={name}',
-               '--config.optimizer.density=0.1',
-               '--config.optimizer.density_warmup_steps=20')
+               '--config.optimizer.scape.density=0.1',
+               '--config.optimizer.scape.density_warmup_steps=20')
     losses = trainer.train(cfg)['losses']
     drop[name] = losses[0] - np.mean(losses[-5:])
     assert np.mean(losses[-5:]) < 0.5 * losses[0], (name, losses)
@@ -82,16 +82,16 @@ def test_train_step_bytes_on_the_wire(corpus, tmp_path):
   """From the compiled train step: payload ~ selected values + dense leaves."""
   density, n = 0.01, 8
   cfg = _cfg(corpus, tmp_path, '--config.optimizer.name=scape',
-             f'--config.optimizer.density={density}', '--config.steps=10')
+             f'--config.optimizer.scape.density={density}', '--config.steps=10')
   program = trainer.build_program(cfg)
-  cols = comm.collectives_from_hlo(program.compile_step(5).as_text())
+  cols = analysis.collectives_from_hlo(program.compile_step(5).as_text())
   leaves = jax.tree.leaves(program.abstract_params)
   selected, dense, words = 0, 0, 0
   for p in leaves:
     size = int(np.prod(p.shape))
     if len(p.shape) >= 2:
       lay = masks.LeafLayout.create(size, n)
-      k = masks.chunk_k(density, lay.chunk)
+      k = masks.chunk_k(density, lay.chunk_size)
       selected += n * k
       words += lay.mask_words(k, 'auto')
     else:
@@ -109,7 +109,7 @@ def test_train_step_bytes_on_the_wire(corpus, tmp_path):
 
 def test_dense_train_step_reduces_every_parameter(corpus, tmp_path):
   program = trainer.build_program(_cfg(corpus, tmp_path, '--config.steps=2'))
-  cols = comm.collectives_from_hlo(program.compile_step(1).as_text())
+  cols = analysis.collectives_from_hlo(program.compile_step(1).as_text())
   params = trainer.param_count(program)
   reduced = sum(c.elements for c in cols if c.kind == 'all-reduce')
   assert params <= reduced <= params + 8
@@ -128,7 +128,7 @@ def test_dry_run_reports_memory_without_allocating(corpus, tmp_path, capsys):
     ('--config.data.batch_size=12', 'not divisible by the 8'),
     ('--config.data.micro_batches=3', 'data.micro_batches=3'),
     ('--config.data.seq_len=4096', 'exceeds the max_seq_len'),
-    ('--config.mesh.data=3', 'mesh.data=3 does not fit'),
+    ('--config.mesh.data=3', 'mesh.data=3 .* does not fit'),
     ('--config.mesh.tensor=2', 'mesh.tensor=2'),
     ('--config.model.preset=llama9b', "unknown model 'llama9b'"),
 ])

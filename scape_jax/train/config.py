@@ -4,7 +4,7 @@ A config file is a plain Python file that states only what it changes::
 
   # configs/llama500m.py
   model = dict(preset='llama500m')
-  optimizer = dict(name='scape', density=0.01, lr=3e-4)
+  optimizer = dict(name='scape', lr=3e-4, scape=dict(density=0.01))
   steps = 100_000
 
 It is executed in a fresh namespace and every top-level name that does not
@@ -18,6 +18,12 @@ Command-line overrides are applied afterwards, in order::
 Every key is checked against the dataclass fields (typos raise `ConfigError`
 naming the dotted key and the keys allowed there) and every value is parsed or
 checked against the field's type.
+
+The optimizer section holds the keys every method shares, plus one
+sub-section per method with its own keys (`optimizer.scape.density`), taken
+from the method registry (`scape_jax.train.methods`). Only the section of the
+method named by `optimizer.name` is used and range-checked, so that changing
+that one line switches methods.
 """
 
 import dataclasses
@@ -26,13 +32,14 @@ import types
 import typing
 from typing import Any, Mapping, Sequence
 
+from models.layers import ATTN_IMPLS
+from scape_jax.optim import _common
+from scape_jax.train import methods
+from scape_jax.train.methods import DECAYS
+
 _PREFIX = '--config.'
 
-OPTIMIZERS = ('adamw', 'adams', 'scape')
-DECAYS = ('cosine', 'constant')
 DTYPES = ('bfloat16', 'float32')
-ATTN_IMPLS = ('xla', 'jax', 'cudnn')
-MASK_ENCODINGS = ('auto', 'bitmap', 'indices')
 
 
 class ConfigError(ValueError):
@@ -42,34 +49,40 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(slots=True)
 class ModelConfig:
   preset: str = 'llama-tiny'  # A name in models.PRESETS (checked by trainer).
-  dtype: str = 'bfloat16'  # Compute dtype: bfloat16 | float32.
-  param_dtype: str = 'float32'
-  remat: bool = False
-  attn_impl: str = 'xla'  # xla | jax | cudnn (flash attention on GPU).
+  dtype: str = 'bfloat16'  # Compute dtype: one of DTYPES.
+  param_dtype: str = 'float32'  # Parameter (master copy) dtype.
+  remat: bool = False  # Rematerialise each block in the backward pass.
+  attn_impl: str = 'xla'  # One of ATTN_IMPLS; cudnn: flash attention on GPU.
 
 
 @dataclasses.dataclass(slots=True)
-class OptimizerConfig:
-  name: str = 'adamw'  # adamw | adams | scape
-  lr: float = 3e-4
-  warmup_steps: int = 100
-  decay: str = 'cosine'  # cosine | constant
-  min_lr_ratio: float = 0.1
-  b1: float = 0.9
-  b2: float = 0.95
-  eps: float = 1e-8
-  weight_decay: float = 0.1
-  clip_norm: float = 1.0  # 0 disables clipping.
-  density: float = 0.01  # scape only.
-  density_warmup_steps: int = 0  # scape only.
-  mask_encoding: str = 'auto'  # auto | bitmap | indices
+class CommonOptimizerConfig:
+  """The optimizer keys every method shares."""
+  name: str = 'adamw'  # A name in methods.names().
+  lr: float = 3e-4  # Peak learning rate.
+  warmup_steps: int = 100  # Linear warmup from 0.
+  decay: str = 'cosine'  # After warmup: one of methods.DECAYS.
+  min_lr_ratio: float = 0.1  # Cosine decays to lr * min_lr_ratio.
+  b1: float = _common.B1  # First-moment decay.
+  b2: float = _common.B2  # Second moment (AdamS: previous m squared) weight.
+  eps: float = _common.EPS  # Added to the direction's denominator.
+  weight_decay: float = _common.WEIGHT_DECAY  # Decoupled weight decay.
+  clip_norm: float = _common.CLIP_NORM  # Global-norm clip; 0 disables it.
+
+
+# The common keys plus one section per registered method that has its own.
+OptimizerConfig = dataclasses.make_dataclass(
+    'OptimizerConfig',
+    [(spec.name, spec.section, dataclasses.field(default_factory=spec.section))
+     for spec in methods.REGISTRY.values() if spec.section is not None],
+    bases=(CommonOptimizerConfig,), slots=True)
 
 
 @dataclasses.dataclass(slots=True)
 class DataConfig:
   corpus: str = 'shakespeare'  # shakespeare | synthetic | a directory.
   tokenizer: str = 'byte'  # 'byte' or a path to a HF tokenizer.json.
-  seq_len: int = 128
+  seq_len: int = 128  # Tokens per sequence.
   batch_size: int = 32  # Global batch (sequences per step).
   micro_batches: int = 1  # Sequential micro-batches per worker (accumulation).
   data_dir: str = ''  # '' = data/<corpus-name>-<tokenizer-name>.
@@ -77,9 +90,10 @@ class DataConfig:
 
 @dataclasses.dataclass(slots=True)
 class MeshConfig:
-  data: int = -1  # -1: all devices not used by the other axes.
-  fsdp: int = 1
-  tensor: int = 1
+  replica: int = 1  # Replica groups (methods with one model copy per group).
+  data: int = -1  # Data-parallel workers; -1: all devices the others leave.
+  fsdp: int = 1  # Parameters and optimizer state split over this many.
+  tensor: int = 1  # Reserved: only 1.
 
 
 @dataclasses.dataclass(slots=True)
@@ -89,13 +103,13 @@ class Config:
       default_factory=OptimizerConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-  steps: int = 1000
-  seed: int = 0
-  log_every: int = 10
-  eval_every: int = 100
-  eval_batches: int = 8
-  ckpt_every: int = 0  # 0: only at the end.
-  out_dir: str = 'runs/default'
+  steps: int = 1000  # Optimizer updates in the whole run.
+  seed: int = 0  # Model initialisation and data order.
+  log_every: int = 10  # Steps between fetches of the metrics.
+  eval_every: int = 100  # Steps between evaluations; 0: only at the end.
+  eval_batches: int = 8  # Batches of the validation split per evaluation.
+  ckpt_every: int = 0  # Steps between checkpoints; 0: only at the end.
+  out_dir: str = 'runs/default'  # Checkpoints, metrics and plots.
 
 
 # ----------------------------------------------------------------------------
@@ -114,8 +128,16 @@ def _join(prefix: str, key: str) -> str:
 def _unknown_key(obj: Any, prefix: str, key: str) -> ConfigError:
   allowed = ', '.join(_field_types(obj))
   where = f"'{prefix}'" if prefix else 'the top level'
+  hint = ''
+  if isinstance(obj, CommonOptimizerConfig):  # a method's own key?
+    owners = [n for n, t in _field_types(obj).items()
+              if dataclasses.is_dataclass(t) and key in _field_types(
+                  getattr(obj, n))]
+    if owners:
+      hint = ('; it is a method\'s own key: ' +
+              ' or '.join(f"'{prefix}.{n}.{key}'" for n in owners))
   return ConfigError(f"unknown config key '{_join(prefix, key)}'; "
-                     f'allowed keys at {where}: {allowed}')
+                     f'allowed keys at {where}: {allowed}{hint}')
 
 
 def _type_error(key: str, value: Any, typ: type) -> ConfigError:
@@ -146,16 +168,21 @@ def _parse_int(key: str, value: Any) -> int:
 
 
 def _parse_float(key: str, value: Any) -> float:
-  if isinstance(value, bool):
-    raise _type_error(key, value, float)
-  if isinstance(value, (int, float)):
-    return float(value)
-  if isinstance(value, str):
+  """A finite float: no config value means anything at NaN or infinity."""
+  number = None
+  if isinstance(value, (int, float)) and not isinstance(value, bool):
+    number = float(value)
+  elif isinstance(value, str):
     try:
-      return float(value.strip())
+      number = float(value.strip())
     except ValueError:
       pass
-  raise _type_error(key, value, float)
+  if number is None:
+    raise _type_error(key, value, float)
+  if not math.isfinite(number):
+    raise ConfigError(f'config key {key!r}: expected a finite number, got '
+                      f'{value!r}')
+  return number
 
 
 def _parse_bool(key: str, value: Any) -> bool:
@@ -302,9 +329,54 @@ def load(path: str | None, overrides: Sequence[str] = ()) -> Config:
 # Validation.
 
 
+def _raised(fn, *args) -> list[str]:
+  """[message] if `fn(*args)` raises ValueError, else []."""
+  try:
+    fn(*args)
+  except ValueError as e:
+    return [str(e).rstrip('.')]
+  return []
+
+
+def _optimizer_problems(cfg: Config) -> list[str]:
+  """The common keys by the optimizers' own checks, then the methods.
+
+  The method named by `optimizer.name`, and every method with a section of
+  its own, is built (nothing is allocated): each section is checked by the
+  code that will use it, also when another method is selected.
+  """
+  o = cfg.optimizer
+  problems = [
+      message for ok, message in [
+          (o.name in methods.names(), f'optimizer.name must be one of '
+           f'{methods.names()}, got {o.name!r}'),
+          (o.lr > 0, f'optimizer.lr must be > 0, got {o.lr}'),
+          (o.warmup_steps >= 0,
+           f'optimizer.warmup_steps must be >= 0, got {o.warmup_steps}'),
+          (o.decay in DECAYS,
+           f'optimizer.decay must be one of {DECAYS}, got {o.decay!r}'),
+          (0 <= o.min_lr_ratio <= 1, f'optimizer.min_lr_ratio must be in '
+           f'[0, 1], got {o.min_lr_ratio}'),
+          (o.clip_norm >= 0, f'optimizer.clip_norm must be >= 0 (0 disables '
+           f'clipping), got {o.clip_norm}'),
+      ] if not ok]
+  problems += _raised(_common.check_betas, 'optimizer', o.b1, o.b2)
+  problems += _raised(_common.check_eps, 'optimizer', o.eps)
+  problems += _raised(_common.check_non_negative, 'optimizer',
+                      'weight_decay', o.weight_decay)
+  if problems:
+    return problems
+  for name, spec in methods.REGISTRY.items():
+    if name == o.name or spec.section is not None:  # every own key checked
+      selected = dataclasses.replace(o, name=name)
+      problems += [f'optimizer.{name}: {message}' for message in
+                   _raised(methods.build, selected, cfg.steps)]
+  return problems
+
+
 def _problems(cfg: Config) -> list[str]:
   """Returns a message per out-of-range setting (NaN fails every check)."""
-  o, d, m = cfg.optimizer, cfg.data, cfg.mesh
+  d, m = cfg.data, cfg.mesh
   checks = [
       (cfg.steps > 0, f'steps must be > 0, got {cfg.steps}'),
       (cfg.log_every > 0, f'log_every must be > 0, got {cfg.log_every}'),
@@ -319,40 +391,20 @@ def _problems(cfg: Config) -> list[str]:
        f'model.dtype must be one of {DTYPES}, got {cfg.model.dtype!r}'),
       (cfg.model.param_dtype in DTYPES, f'model.param_dtype must be one of '
        f'{DTYPES}, got {cfg.model.param_dtype!r}'),
-      (o.name in OPTIMIZERS,
-       f'optimizer.name must be one of {OPTIMIZERS}, got {o.name!r}'),
-      (o.lr > 0, f'optimizer.lr must be > 0, got {o.lr}'),
-      (o.warmup_steps >= 0,
-       f'optimizer.warmup_steps must be >= 0, got {o.warmup_steps}'),
-      (o.decay in DECAYS,
-       f'optimizer.decay must be one of {DECAYS}, got {o.decay!r}'),
-      (0 <= o.min_lr_ratio <= 1,
-       f'optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}'),
-      (0 <= o.b1 < 1, f'optimizer.b1 must be in [0, 1), got {o.b1}'),
-      (0 <= o.b2 < 1, f'optimizer.b2 must be in [0, 1), got {o.b2}'),
-      (o.eps > 0, f'optimizer.eps must be > 0, got {o.eps}'),
-      (o.weight_decay >= 0,
-       f'optimizer.weight_decay must be >= 0, got {o.weight_decay}'),
-      (o.clip_norm >= 0, f'optimizer.clip_norm must be >= 0 (0 disables '
-       f'clipping), got {o.clip_norm}'),
-      (0 < o.density <= 1,
-       f'optimizer.density must be in (0, 1], got {o.density}'),
-      (o.density_warmup_steps >= 0, f'optimizer.density_warmup_steps must be '
-       f'>= 0, got {o.density_warmup_steps}'),
-      (o.mask_encoding in MASK_ENCODINGS, f'optimizer.mask_encoding must be '
-       f'one of {MASK_ENCODINGS}, got {o.mask_encoding!r}'),
       (bool(d.corpus), 'data.corpus must not be empty'),
       (bool(d.tokenizer), 'data.tokenizer must not be empty'),
       (d.seq_len > 0, f'data.seq_len must be > 0, got {d.seq_len}'),
       (d.batch_size > 0, f'data.batch_size must be > 0, got {d.batch_size}'),
       (d.micro_batches > 0,
        f'data.micro_batches must be > 0, got {d.micro_batches}'),
+      (m.replica >= 1, f'mesh.replica must be >= 1, got {m.replica}'),
       (m.data == -1 or m.data >= 1,
        f'mesh.data must be >= 1 or -1 (all remaining devices), got {m.data}'),
       (m.fsdp >= 1, f'mesh.fsdp must be >= 1, got {m.fsdp}'),
       (m.tensor >= 1, f'mesh.tensor must be >= 1, got {m.tensor}'),
   ]
-  return [message for ok, message in checks if not ok]
+  problems = [message for ok, message in checks if not ok]
+  return problems + _optimizer_problems(cfg)
 
 
 def validate(cfg: Config) -> None:
@@ -380,14 +432,24 @@ def from_dict(d: Mapping[str, Any]) -> Config:
 
 
 def format(cfg: Config) -> str:  # pylint: disable=redefined-builtin
-  """Returns a short readable dump: one line per section, then the rest."""
+  """Returns a short readable dump: one line per section, then the rest.
+
+  Of the methods' own sections only the one in use is shown.
+  """
   lines, top = [], []
+
+  def section(name: str, obj: Any) -> None:
+    fields = [(g.name, getattr(obj, g.name)) for g in dataclasses.fields(obj)]
+    lines.append(f'{name}: ' + ' '.join(
+        f'{k}={v!r}' for k, v in fields if not dataclasses.is_dataclass(v)))
+    for k, v in fields:
+      if dataclasses.is_dataclass(v) and k == getattr(obj, 'name', None):
+        section(f'{name}.{k}', v)
+
   for f in dataclasses.fields(cfg):
     value = getattr(cfg, f.name)
     if dataclasses.is_dataclass(value):
-      items = ' '.join(f'{g.name}={getattr(value, g.name)!r}'
-                       for g in dataclasses.fields(value))
-      lines.append(f'{f.name}: {items}')
+      section(f.name, value)
     else:
       top.append(f'{f.name}={value!r}')
   return '\n'.join(lines + ['run: ' + ' '.join(top)])

@@ -23,7 +23,7 @@ import tqdm
 _NON_FINITE = {'nan': math.nan, 'inf': math.inf, '-inf': -math.inf}
 
 
-def _encode(value: float) -> float | str:
+def _encode_non_finite(value: float) -> float | str:
   if math.isfinite(value):
     return value
   return 'nan' if math.isnan(value) else ('inf' if value > 0 else '-inf')
@@ -61,7 +61,7 @@ class MetricsLogger:
       raise ValueError(f'metric names {sorted(reserved)} are reserved')
     values = {key: float(value) for key, value in metrics.items()}
     record = {'step': int(step), 'split': prefix}
-    record.update({k: _encode(v) for k, v in values.items()})
+    record.update({k: _encode_non_finite(v) for k, v in values.items()})
     self._file.write(json.dumps(record, allow_nan=False) + '\n')
     self._file.flush()
     if self._writer is not None:
@@ -84,7 +84,7 @@ class MetricsLogger:
     self.close()
 
 
-def _decode(value: Any) -> Any:
+def _decode_non_finite(value: Any) -> Any:
   return _NON_FINITE.get(value, value) if isinstance(value, str) else value
 
 
@@ -105,7 +105,7 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
       if number == len(lines):  # No newline yet: a half-written last line.
         continue
       raise
-    records.append({k: (v if k == 'split' else _decode(v))
+    records.append({k: (v if k == 'split' else _decode_non_finite(v))
                     for k, v in record.items()})
   return records
 

@@ -8,13 +8,14 @@ AdamS keeps only `m`, so its optimizer state is half of Adam's. See
 `docs/design.md` section 1 and the SCAPE paper, Section II-C.
 """
 
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
-ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
+from scape_jax.optim import _common
+from scape_jax.optim._common import MaskOrFn, ScalarOrSchedule
 
 
 class ScaleByAdamSState(NamedTuple):
@@ -23,18 +24,10 @@ class ScaleByAdamSState(NamedTuple):
   mu: optax.Updates  # First moment, fp32 (or `mu_dtype`), shaped like params.
 
 
-def bias_corrected_direction(mu, nu, count, *, b1, b2, eps):
-  """`(mu / (1 - b1^t)) / (sqrt(nu / (1 - b2^t)) + eps)` for step t = count."""
-  t = count.astype(jnp.float32)
-  c1 = 1.0 - jnp.asarray(b1, jnp.float32) ** t
-  c2 = 1.0 - jnp.asarray(b2, jnp.float32) ** t
-  return jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v / c2) + eps), mu, nu)
-
-
 def scale_by_adams(
-    b1: float = 0.9,
-    b2: float = 0.95,
-    eps: float = 1e-8,
+    b1: float = _common.B1,
+    b2: float = _common.B2,
+    eps: float = _common.EPS,
     mu_dtype: Optional[Any] = None,
 ) -> optax.GradientTransformation:
   """Rescales updates by the AdamS rule: the preconditioner comes from `m`.
@@ -53,11 +46,8 @@ def scale_by_adams(
     Zhang et al., "AdamS: Momentum itself can be a normalizer for LLM
     pretraining and post-training", 2025; SCAPE paper, Eq. 2.
   """
-  for name, value in (('b1', b1), ('b2', b2)):
-    if not 0.0 <= value < 1.0:
-      raise ValueError(f'scale_by_adams: {name}={value!r} must be in [0, 1).')
-  if eps < 0:
-    raise ValueError(f'scale_by_adams: eps={eps!r} must be >= 0.')
+  _common.check_betas('scale_by_adams', b1, b2)
+  _common.check_eps('scale_by_adams', eps)
 
   def init_fn(params):
     mu = jax.tree.map(lambda p: jnp.zeros(p.shape, mu_dtype or p.dtype), params)
@@ -70,7 +60,7 @@ def scale_by_adams(
     nu = jax.tree.map(lambda m, g: b2 * m * m + (1.0 - b2) * g * g,
                       mu_prev, updates)
     count = optax.safe_increment(state.count)
-    direction = bias_corrected_direction(mu, nu, count, b1=b1, b2=b2, eps=eps)
+    direction = _common.bias_corrected_direction(mu, nu, count, b1=b1, b2=b2, eps=eps)
     direction = jax.tree.map(lambda d, g: d.astype(g.dtype), direction, updates)
     return direction, ScaleByAdamSState(count=count, mu=mu)
 
@@ -79,11 +69,11 @@ def scale_by_adams(
 
 def adams(
     learning_rate: ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.95,
-    eps: float = 1e-8,
-    weight_decay: float = 0.1,
-    mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+    b1: float = _common.B1,
+    b2: float = _common.B2,
+    eps: float = _common.EPS,
+    weight_decay: float = _common.WEIGHT_DECAY,
+    mask: MaskOrFn = None,
     mu_dtype: Optional[Any] = None,
 ) -> optax.GradientTransformation:
   """AdamS with decoupled weight decay: `w -= lr * (u + weight_decay * w)`.
@@ -110,27 +100,3 @@ def adams(
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
   )
-
-
-def pmean_gradients(axis_name: Optional[str] = 'data'
-                    ) -> optax.GradientTransformation:
-  """The dense data-parallel exchange: the mean of the gradients over `axis_name`.
-
-  Put it first in a chain to turn a dense optimizer into a data-parallel one
-  that is called inside `shard_map` with each worker's local gradients:
-  `optax.chain(pmean_gradients('data'), optax.adamw(...))`.
-
-  Args:
-    axis_name: the mesh axis of the data-parallel workers; `None` is a no-op.
-
-  Returns:
-    A stateless `optax.GradientTransformation`.
-  """
-
-  def update_fn(updates, state, params=None):
-    del params
-    if axis_name is not None:
-      updates = jax.lax.pmean(updates, axis_name)
-    return updates, state
-
-  return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)

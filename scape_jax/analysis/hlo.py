@@ -28,6 +28,8 @@ from typing import Any, Callable
 
 import jax
 
+from scape_jax.analysis import cost
+
 KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all',
          'collective-permute')
 
@@ -51,27 +53,12 @@ def dtype_bytes(dtype: str) -> float:
   raise ValueError(f'unknown HLO dtype {dtype!r}')
 
 
-def ring_all_reduce_bytes(nbytes: float, n: int) -> float:
-  """Ring all-reduce of an `nbytes` buffer over `n` devices."""
-  return 0.0 if n <= 1 else 2.0 * (n - 1) / n * nbytes
-
-
-def ring_all_gather_bytes(full_nbytes: float, n: int) -> float:
-  """Ring all-gather whose gathered (output) buffer is `full_nbytes`."""
-  return 0.0 if n <= 1 else (n - 1) / n * full_nbytes
-
-
-def ring_reduce_scatter_bytes(full_nbytes: float, n: int) -> float:
-  """Ring reduce-scatter whose input buffer is `full_nbytes`."""
-  return 0.0 if n <= 1 else (n - 1) / n * full_nbytes
-
-
 # Bytes one device sends for one execution, by kind, from (S bytes, N).
 _RING = {
-    'all-reduce': ring_all_reduce_bytes,
-    'all-gather': ring_all_gather_bytes,
-    'reduce-scatter': ring_reduce_scatter_bytes,
-    'all-to-all': ring_reduce_scatter_bytes,  # Same (N-1)/N * S volume.
+    'all-reduce': cost.ring_all_reduce_bytes,
+    'all-gather': cost.ring_all_gather_bytes,
+    'reduce-scatter': cost.ring_reduce_scatter_bytes,
+    'all-to-all': cost.ring_reduce_scatter_bytes,  # Same (N-1)/N * S volume.
     'collective-permute': lambda s, n: 0.0 if n <= 1 else float(s),
 }
 

@@ -35,20 +35,21 @@ class LeafLayout:
   """Static chunk layout of one compressed leaf over N workers."""
   size: int  # real elements
   num_chunks: int  # N
-  chunk: int  # c: elements per chunk, padding included
+  chunk_size: int  # c: elements per chunk, padding included
 
   @classmethod
   def create(cls, size: int, num_chunks: int) -> 'LeafLayout':
-    return cls(size=size, num_chunks=num_chunks, chunk=-(-size // num_chunks))
+    return cls(size=size, num_chunks=num_chunks,
+               chunk_size=-(-size // num_chunks))
 
   @property
   def padded(self) -> int:
-    return self.chunk * self.num_chunks
+    return self.chunk_size * self.num_chunks
 
   @property
   def words(self) -> int:
     """uint32 words of one packed chunk bitmap."""
-    return -(-self.chunk // 32)
+    return -(-self.chunk_size // 32)
 
   def encoding(self, k: int, requested: str) -> str:
     """The wire encoding of this leaf's chunk masks at k entries per chunk."""
@@ -64,7 +65,7 @@ class LeafLayout:
     """[*shape] -> [N, c], zero padded."""
     flat = x.reshape(-1)
     flat = jnp.pad(flat, (0, self.padded - self.size))
-    return flat.reshape(self.num_chunks, self.chunk)
+    return flat.reshape(self.num_chunks, self.chunk_size)
 
   def from_chunks(self, chunks: jax.Array, shape: Tuple[int, ...]) -> jax.Array:
     return chunks.reshape(-1)[:self.size].reshape(shape)

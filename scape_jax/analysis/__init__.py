@@ -1,0 +1,26 @@
+"""Analysis tools: bytes on the wire read from compiled programs, ring costs.
+
+Nothing in the optimizers or the train step imports this package; the trainer
+and the benchmarks use it to report what a compiled step sends.
+"""
+
+from scape_jax.analysis.cost import ring_all_gather_bytes
+from scape_jax.analysis.cost import ring_all_reduce_bytes
+from scape_jax.analysis.cost import ring_reduce_scatter_bytes
+from scape_jax.analysis.hlo import KINDS
+from scape_jax.analysis.hlo import NOTE_IN_BRANCH
+from scape_jax.analysis.hlo import NOTE_TRIP_UNKNOWN
+from scape_jax.analysis.hlo import NOTE_UNREACHABLE
+from scape_jax.analysis.hlo import Collective
+from scape_jax.analysis.hlo import bytes_sent
+from scape_jax.analysis.hlo import collectives
+from scape_jax.analysis.hlo import collectives_from_hlo
+from scape_jax.analysis.hlo import dtype_bytes
+from scape_jax.analysis.hlo import format_table
+
+__all__ = [
+    'KINDS', 'NOTE_IN_BRANCH', 'NOTE_TRIP_UNKNOWN', 'NOTE_UNREACHABLE',
+    'Collective', 'bytes_sent', 'collectives', 'collectives_from_hlo',
+    'dtype_bytes', 'format_table', 'ring_all_gather_bytes',
+    'ring_all_reduce_bytes', 'ring_reduce_scatter_bytes',
+]

@@ -1,0 +1,20 @@
+"""Optimizers as optax transformations, one module per method.
+
+Each module holds its state `NamedTuple`, its `scale_by_*` primitive and its
+user-facing alias. Shared defaults, type aliases and bias correction live in
+`_common`.
+"""
+
+from scape_jax.optim._adams import ScaleByAdamSState
+from scape_jax.optim._adams import adams
+from scape_jax.optim._adams import scale_by_adams
+from scape_jax.optim._scape import DensitySchedule
+from scape_jax.optim._scape import ScaleByScapeState
+from scape_jax.optim._scape import scale_by_scape
+from scape_jax.optim._scape import scape
+from scape_jax.optim._scape import scape_stats
+
+__all__ = [
+    'DensitySchedule', 'ScaleByAdamSState', 'ScaleByScapeState', 'adams',
+    'scale_by_adams', 'scale_by_scape', 'scape', 'scape_stats',
+]

@@ -1,0 +1,541 @@
+"""SCAPE: AdamS with a top-k sparsified, error-fed first moment (Algorithm 1).
+
+`scale_by_scape` is called inside `jax.shard_map` (or any context where
+`axis_name` is bound) with each worker's *local* gradients and performs the
+data-parallel exchange itself: one all-gather of the chunk masks and one
+all-reduce of the compacted payload per step. Every choice the paper leaves
+open is pinned down in `docs/design.md`.
+
+Per-worker state (the residual `e^n`, the worker's own chunk mask and its
+residual norm) carries a leading worker axis: size N in the global view that
+`init` returns outside `shard_map`, size 1 in the local view that `update`
+sees. `scape_jax.state_partition_specs` gives the `PartitionSpec`s that
+place it.
+"""
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from scape_jax.comm import masks
+from scape_jax.comm.collectives import all_gather_invariant, varying
+from scape_jax.optim import _common
+from scape_jax.optim._common import MaskOrFn, ScalarOrSchedule
+
+
+class ScaleByScapeState(NamedTuple):
+  """State of `scale_by_scape`."""
+  count: jax.Array  # int32: completed updates.
+  mu: optax.Updates  # First moment m, synchronized (zero outside the mask).
+  residual: optax.Updates  # Per worker: e^n, fp32 [W, *shape]; MaskedNode on dense leaves.
+  mask: optax.Updates  # Per worker: own chunk bitmap, uint32 [W, words]; MaskedNode on dense leaves.
+  residual_norm: jax.Array  # Per worker: ||e^n|| after the last step, f32[W].
+  density: jax.Array  # f32: density in force at the last step.
+
+  # Fields that differ per worker and carry the leading worker axis.
+  PER_WORKER_FIELDS = ('residual', 'mask', 'residual_norm')
+
+
+@dataclasses.dataclass(frozen=True)
+class DensitySchedule:
+  """Exponential density warmup from 1 to `density`, quantized to levels.
+
+  Level 0 is density 1: the first step is dense because M_0 is all ones. The
+  continuous schedule `density ** (min(t, W) / W)` at `t` completed updates is
+  rounded to the nearest of at most `max_levels` levels, evenly spaced in log
+  density. Each level is one compiled program; nothing recompiles per step.
+  """
+  density: float
+  warmup_steps: int = 0
+  max_levels: int = 8
+
+  def __post_init__(self):
+    masks.chunk_k(self.density, 1)  # validates density
+    if self.warmup_steps < 0:
+      raise ValueError(
+          f'density_warmup_steps={self.warmup_steps!r} must be >= 0.')
+
+  @property
+  def levels(self) -> tuple:
+    if self.density == 1.0:
+      return (1.0,)
+    if self.warmup_steps == 0:
+      return (1.0, self.density)
+    n = min(self.max_levels, self.warmup_steps + 1)
+    return tuple(self.density ** (i / (n - 1)) for i in range(n - 1)) + (
+        self.density,)
+
+  def level(self, count):
+    """Level in force at the update after `count` completed ones (int or array)."""
+    last = len(self.levels) - 1
+    w = self.warmup_steps
+    if isinstance(count, int):
+      if count == 0 or last == 0:
+        return 0
+      return last if w == 0 else (2 * min(count, w) * last + w) // (2 * w)
+    count = jnp.asarray(count, jnp.int32)
+    if last == 0:
+      return jnp.zeros([], jnp.int32)
+    ramp = last if w == 0 else (2 * jnp.minimum(count, w) * last + w) // (2 * w)
+    return jnp.where(count == 0, 0, ramp).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressionPlan:
+  """Which leaves are compressed, and their static chunk layouts.
+
+  `layouts[j]` is the `LeafLayout` of leaf j, or None for a dense leaf.
+  """
+  treedef: Any
+  shapes: tuple
+  layouts: tuple
+  num_workers: int
+
+  @classmethod
+  def create(cls, params, compress: MaskOrFn,
+             num_workers: int) -> 'CompressionPlan':
+    leaves, treedef = jax.tree.flatten(params)
+    if compress is None:
+      flags = [p.ndim >= 2 for p in leaves]
+    else:
+      tree = compress(params) if callable(compress) else compress
+      try:
+        flags = treedef.flatten_up_to(tree)
+      except (ValueError, TypeError) as e:
+        raise ValueError(
+            'scape: the compress tree does not match the params: expected a '
+            f'tree of bools with structure {treedef}, got '
+            f'{jax.tree.structure(tree)}.') from e
+    layouts = []
+    for p, flag in zip(leaves, flags):
+      if not isinstance(flag, (bool, np.bool_)):
+        raise ValueError(
+            f'scape: compress entries must be bools, got {flag!r}.')
+      if bool(flag) and p.ndim == 0:
+        raise ValueError('scape: a scalar leaf cannot be compressed; mark it '
+                         'False in compress.')
+      layouts.append(masks.LeafLayout.create(p.size, num_workers)
+                     if bool(flag) else None)
+    return cls(treedef, tuple(p.shape for p in leaves), tuple(layouts),
+               num_workers)
+
+  def k_per_level(self, j: int, levels: Sequence[float]) -> tuple:
+    """Entries per chunk of leaf j at each density level."""
+    return tuple(masks.chunk_k(d, self.layouts[j].chunk_size) for d in levels)
+
+  def is_sparse(self, j: int, k: Optional[int]) -> bool:
+    """Whether leaf j sends a compacted payload at k entries per chunk."""
+    layout = self.layouts[j]
+    return layout is not None and k < layout.chunk_size
+
+
+def _axis_context(axis_name: Optional[str], where: str):
+  """(N, local): local means a bound axis (inside shard_map) or no axis."""
+  if axis_name is None:
+    return 1, True
+  try:
+    return jax.lax.axis_size(axis_name), True
+  except NameError:
+    pass
+  mesh = jax.sharding.get_abstract_mesh()
+  if where == 'init' and not mesh.empty and axis_name in mesh.axis_names:
+    return mesh.shape[axis_name], False
+  raise ValueError(
+      f'scape {where}: axis_name={axis_name!r} is not bound. Call update '
+      f'inside jax.shard_map over a mesh with a {axis_name!r} axis (init also '
+      'works under jax.set_mesh(mesh)), or pass axis_name=None for a single '
+      'worker.')
+
+
+def _per_worker(x, leading: int, axis_name, local: bool):
+  x = jnp.broadcast_to(x, (leading,) + x.shape)
+  return varying(x, axis_name) if local else x
+
+
+def scale_by_scape(
+    density: Union[float, DensitySchedule],
+    *,
+    b1: float = _common.B1,
+    b2: float = _common.B2,
+    eps: float = _common.EPS,
+    clip_norm: Optional[float] = _common.CLIP_NORM,
+    axis_name: Optional[str] = 'data',
+    compress: MaskOrFn = None,
+    density_warmup_steps: int = 0,
+    mask_encoding: str = 'auto',
+) -> optax.GradientTransformationExtraArgs:
+  """SCAPE's exchange and AdamS direction from each worker's local gradients.
+
+  Args:
+    density: fraction of each compressed leaf sent per step, in (0, 1], or a
+      `DensitySchedule` (then `density_warmup_steps` must be 0).
+    b1: decay rate of the first moment.
+    b2: weight of the previous first moment squared in the preconditioner.
+    eps: term added to the denominator for numerical stability.
+    clip_norm: global-norm clip of the reconstructed mean gradient (line 18
+      of Algorithm 1); `None` or 0 disables it.
+    axis_name: the data-parallel mesh axis; `None` means a single worker.
+    compress: tree of bools or a callable `params -> tree`, in optax's `mask`
+      style, selecting the leaves to sparsify. Default: leaves with ndim >= 2;
+      norm scales and biases stay dense.
+    density_warmup_steps: steps of the exponential warmup from density 1.
+    mask_encoding: one of `masks.ENCODINGS`: 'auto' (the smaller of the
+      two), 'bitmap' or 'indices'.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`. `update` accepts the extra
+    keyword `density_level`, a static int, the `DensitySchedule.level` of the
+    state's count; given, the step holds that level's collectives only.
+    Without it every level is compiled into one `lax.switch`.
+
+  References:
+    SCAPE paper, Algorithm 1 and Sections IV-A..IV-C, IV-E;
+    `docs/design.md` sections 2-4.
+  """
+  _common.check_betas('scale_by_scape', b1, b2)
+  _common.check_eps('scale_by_scape', eps)
+  if clip_norm is not None:
+    _common.check_non_negative('scale_by_scape', 'clip_norm', clip_norm)
+  if isinstance(density, DensitySchedule):
+    if density_warmup_steps:
+      raise ValueError(
+          f'scape: density is a DensitySchedule; give its warmup there, not '
+          f'density_warmup_steps={density_warmup_steps!r}.')
+    schedule = density
+  else:
+    schedule = DensitySchedule(density, density_warmup_steps)
+  levels = schedule.levels
+  if mask_encoding not in masks.ENCODINGS:
+    raise ValueError(f'scape: mask_encoding={mask_encoding!r}; allowed: '
+                     f'{masks.ENCODINGS}.')
+  hyper = _Hyper(b1=b1, b2=b2, eps=eps, clip_norm=clip_norm,
+                 axis_name=axis_name, encoding=mask_encoding, levels=levels)
+
+  def init_fn(params):
+    n, local = _axis_context(axis_name, 'init')
+    leading = 1 if local else n
+    plan = CompressionPlan.create(params, compress, n)
+    per_worker = functools.partial(_per_worker, leading=leading,
+                                   axis_name=axis_name, local=local)
+    residual, own_mask = [], []
+    for p, layout in zip(jax.tree.leaves(params), plan.layouts):
+      if layout is None:
+        residual.append(optax.MaskedNode())
+        own_mask.append(optax.MaskedNode())
+      else:
+        residual.append(per_worker(jnp.zeros(p.shape, jnp.float32)))
+        all_ones = masks.pack_bits(jnp.ones((layout.chunk_size,), bool))
+        own_mask.append(per_worker(all_ones))  # M_0 = 1
+    return ScaleByScapeState(
+        count=jnp.zeros([], jnp.int32),
+        mu=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+        residual=plan.treedef.unflatten(residual),
+        mask=plan.treedef.unflatten(own_mask),
+        residual_norm=per_worker(jnp.zeros([], jnp.float32)),
+        density=jnp.ones([], jnp.float32))
+
+  def update_fn(updates, state, params=None, *, density_level=None, **extra):
+    del params, extra
+    n, _ = _axis_context(axis_name, 'update')
+    plan = CompressionPlan.create(updates, compress, n)
+    if state.residual_norm.shape != (1,):
+      raise ValueError(
+          'scape update: per-worker state has leading size '
+          f'{state.residual_norm.shape[0]}, expected 1. Pass the state through '
+          'shard_map with in_specs=scape_jax.state_partition_specs(state).')
+    step = functools.partial(_update_at_level, updates, state, plan=plan,
+                             hyper=hyper, schedule=schedule)
+    if density_level is not None:
+      if not 0 <= int(density_level) < len(levels):
+        raise ValueError(f'scape: density_level={density_level!r}; allowed: '
+                         f'0..{len(levels) - 1} (levels {levels}).')
+      return step(int(density_level))
+    if len(levels) == 1:
+      return step(0)
+    return jax.lax.switch(schedule.level(state.count),
+                          [functools.partial(step, i)
+                           for i in range(len(levels))])
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hyper:
+  """The static settings of one `scale_by_scape`."""
+  b1: float
+  b2: float
+  eps: float
+  clip_norm: Optional[float]
+  axis_name: Optional[str]
+  encoding: str
+  levels: tuple
+
+
+def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
+                     plan: CompressionPlan, hyper: _Hyper,
+                     schedule: DensitySchedule):
+  """One SCAPE update whose payload has the k of density level `level`."""
+  flat = plan.treedef.flatten_up_to
+  grad_leaves = [g.astype(jnp.float32) for g in flat(grads)]
+  mu = flat(state.mu)
+  k_levels = [None if layout is None else plan.k_per_level(j, hyper.levels)
+              for j, layout in enumerate(plan.layouts)]
+  k_now = [None if ks is None else ks[level] for ks in k_levels]
+
+  moment = _semi_updated_moment(grad_leaves, mu, flat(state.residual),
+                                plan, hyper.b1)
+  offsets = _exchange_masks(flat(state.mask), plan, k_now, hyper)
+  bbar = _exchange_payload(moment, plan, offsets, hyper.axis_name)
+  bbar, gbar, residual = _reconstruct(moment, mu, bbar, plan, offsets,
+                                      hyper.b1)
+  gbar = _clip(gbar, hyper.clip_norm)
+  count = optax.safe_increment(state.count)
+  direction = _direction(mu, bbar, gbar, count, hyper)
+  own_mask = _next_own_masks(moment, plan, k_levels, level,
+                             schedule.level(state.count + 1), hyper.axis_name)
+
+  vary = functools.partial(varying, axis_name=hyper.axis_name)
+  residual_sq = sum((jnp.sum(r * r) for r in residual if r is not None),
+                    jnp.zeros([], jnp.float32))
+  new_state = ScaleByScapeState(
+      count=count,
+      mu=plan.treedef.unflatten(bbar),
+      residual=plan.treedef.unflatten(
+          [optax.MaskedNode() if r is None else vary(r) for r in residual]),
+      mask=plan.treedef.unflatten(
+          [optax.MaskedNode() if o is None else vary(o) for o in own_mask]),
+      residual_norm=vary(jnp.sqrt(residual_sq)[None]),
+      density=jnp.asarray(hyper.levels[level], jnp.float32))
+  direction = [d.astype(g.dtype) for d, g in zip(direction, flat(grads))]
+  return plan.treedef.unflatten(direction), new_state
+
+
+# ----------------------------------------------------------------------------
+# The phases of one update, in order. Lists run over the leaves of the tree.
+
+
+def _semi_updated_moment(grads, mu, residual, plan, b1):
+  """m~ = b1 m + (1 - b1) g^n + e^n (the residual only on compressed leaves)."""
+  moment = []
+  for g, m, e, layout in zip(grads, mu, residual, plan.layouts):
+    mt = b1 * m + (1.0 - b1) * g
+    moment.append(mt if layout is None else mt + e[0])
+  return moment
+
+
+def _exchange_masks(own_masks, plan, k_now, hyper) -> list:
+  """The mask all-gather: every worker's chunk mask -> offsets int32[N, k].
+
+  One uint32 buffer carries every sparse leaf's contribution (bitmap or
+  offsets, `LeafLayout.encoding`). Dense leaves get None.
+  """
+  sparse = [j for j in range(len(own_masks)) if plan.is_sparse(j, k_now[j])]
+  wire = [_mask_to_wire(own_masks[j][0], plan.layouts[j], k_now[j],
+                        hyper.encoding) for j in sparse]
+  offsets = [None] * len(own_masks)
+  if not wire:
+    return offsets
+  buf = jnp.concatenate(wire)
+  gathered = (buf[None] if hyper.axis_name is None else
+              all_gather_invariant(buf, hyper.axis_name))
+  for j, part in zip(sparse, _split(gathered, [x.shape[0] for x in wire])):
+    offsets[j] = _offsets_from_wire(part, plan.layouts[j], k_now[j],
+                                    hyper.encoding)
+  return offsets
+
+
+def _exchange_payload(moment, plan, offsets, axis_name):
+  """The payload all-reduce: the values of m~ at M, plus the dense leaves.
+
+  Returns the mean over workers split per leaf (compacted for sparse leaves).
+  """
+  payload = [mt.reshape(-1) if o is None else _compact(mt, layout, o)
+             for mt, layout, o in zip(moment, plan.layouts, offsets)]
+  flat = jnp.concatenate(payload)
+  mean = flat if axis_name is None else jax.lax.pmean(flat, axis_name)
+  return _split(mean, [x.size for x in payload])
+
+
+def _reconstruct(moment, mu, bbar_parts, plan, offsets, b1):
+  """bbar at full shape, the mean gradient at M (Eq. 3) and the new residual.
+
+  Outside M, bbar and gbar are zero and the residual keeps m~; dense leaves
+  have no residual (None) or, compressed but dense at this level, zeros.
+  """
+  bbar, gbar, residual = [], [], []
+  for j, (mt, m, values) in enumerate(zip(moment, mu, bbar_parts)):
+    shape, layout = plan.shapes[j], plan.layouts[j]
+    if offsets[j] is not None:
+      b, in_mask = _scatter(values, layout, offsets[j], shape)
+      residual.append(jnp.where(in_mask, 0.0, mt)[None])
+      gbar.append(jnp.where(in_mask, (b - b1 * m) / (1.0 - b1), 0.0))
+    else:
+      b = values.reshape(shape)
+      gbar.append((b - b1 * m) / (1.0 - b1))
+      residual.append(None if layout is None else
+                      jnp.zeros((1,) + shape, jnp.float32))
+    bbar.append(b)
+  return bbar, gbar, residual
+
+
+def _clip(gbar, clip_norm):
+  """Global-norm clip of the reconstructed mean gradient (Algorithm 1, l. 18)."""
+  if clip_norm is None:
+    return gbar
+  norm = optax.tree.norm(gbar)
+  factor = jnp.where((clip_norm > 0) & (norm > clip_norm),
+                     clip_norm / jnp.maximum(norm, 1e-30), 1.0)
+  return [g * factor for g in gbar]
+
+
+def _direction(mu_prev, bbar, gbar, count, hyper):
+  """The AdamS direction: v from the previous m and gbar, m = bbar."""
+  nu = [hyper.b2 * m * m + (1.0 - hyper.b2) * g * g
+        for m, g in zip(mu_prev, gbar)]
+  return _common.bias_corrected_direction(bbar, nu, count, b1=hyper.b1,
+                                          b2=hyper.b2, eps=hyper.eps)
+
+
+def _next_own_masks(moment, plan, k_levels, level, next_level, axis_name):
+  """The next step's chunk mask of this worker, per compressed leaf."""
+  worker = 0 if axis_name is None else jax.lax.axis_index(axis_name)
+  return [None if layout is None else _next_own_mask(
+      mt, layout, worker, k_levels[j], level,
+      jnp.asarray(k_levels[j], jnp.int32)[next_level])
+          for j, (mt, layout) in enumerate(zip(moment, plan.layouts))]
+
+
+def _next_own_mask(mt: jax.Array, layout: masks.LeafLayout, worker,
+                   k_levels: tuple, level: int, next_k: jax.Array) -> jax.Array:
+  """Top-k of |m~| in chunk `worker`, used at the next step: uint32[1, w].
+
+  `k_levels[level]` (static) is the top-k width; levels never increase, so
+  the next step's k (`next_k`, traced) is a prefix of it.
+  """
+  chunk = layout.chunk_size
+  if min(k_levels) == chunk:  # dense at every level
+    bits = jnp.ones((chunk,), bool)
+  else:
+    scores = jnp.abs(jax.lax.dynamic_index_in_dim(layout.to_chunks(mt), worker,
+                                                  0, False))
+    valid = worker * chunk + jnp.arange(chunk) < layout.size
+    bits = masks.chunk_topk_bits(scores, valid, k_levels[level], next_k)
+  return masks.pack_bits(bits)[None]
+
+
+# ----------------------------------------------------------------------------
+# Per-leaf helpers.
+
+
+def _split(flat: jax.Array, sizes: Sequence[int]) -> list:
+  """Consecutive slices of `flat` along its last axis."""
+  bounds = np.cumsum([0] + list(sizes))
+  return [flat[..., a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _mask_to_wire(own: jax.Array, layout: masks.LeafLayout, k: int,
+                  encoding: str) -> jax.Array:
+  """This worker's chunk bitmap as sent: the bitmap or k offsets (uint32)."""
+  if layout.encoding(k, encoding) == 'bitmap':
+    return own
+  offsets = masks.bits_to_offsets(masks.unpack_bits(own, layout.chunk_size),
+                                  k)
+  return jax.lax.bitcast_convert_type(offsets, jnp.uint32)
+
+
+def _offsets_from_wire(part: jax.Array, layout: masks.LeafLayout, k: int,
+                       encoding: str) -> jax.Array:
+  """Gathered masks [N, words] -> ascending offsets int32[N, k] per chunk."""
+  if layout.encoding(k, encoding) == 'bitmap':
+    return masks.bits_to_offsets(masks.unpack_bits(part, layout.chunk_size),
+                                 k)
+  return jax.lax.bitcast_convert_type(part, jnp.int32)
+
+
+def _compact(mt: jax.Array, layout: masks.LeafLayout,
+             offsets: jax.Array) -> jax.Array:
+  """The N*k values of m~ at the mask, chunk by chunk."""
+  return jnp.take_along_axis(layout.to_chunks(mt), offsets, axis=1).reshape(-1)
+
+
+def _scatter(values: jax.Array, layout: masks.LeafLayout, offsets: jax.Array,
+             shape) -> tuple:
+  """Compacted values -> (full-shape array zero outside M, bool mask M)."""
+  rows = jnp.arange(layout.num_chunks)[:, None]
+  grid = (layout.num_chunks, layout.chunk_size)
+  full = jnp.zeros(grid, values.dtype).at[rows, offsets].set(
+      values.reshape(offsets.shape))
+  in_mask = jnp.zeros(grid, bool).at[rows, offsets].set(True)
+  return layout.from_chunks(full, shape), layout.from_chunks(in_mask, shape)
+
+
+def scape(
+    learning_rate: ScalarOrSchedule,
+    *,
+    density: Union[float, DensitySchedule],
+    b1: float = _common.B1,
+    b2: float = _common.B2,
+    eps: float = _common.EPS,
+    weight_decay: float = _common.WEIGHT_DECAY,
+    clip_norm: Optional[float] = _common.CLIP_NORM,
+    axis_name: Optional[str] = 'data',
+    compress: MaskOrFn = None,
+    density_warmup_steps: int = 0,
+    mask_encoding: str = 'auto',
+    weight_decay_mask: MaskOrFn = None,
+) -> optax.GradientTransformationExtraArgs:
+  """SCAPE: `scale_by_scape`, then decoupled weight decay and the learning rate.
+
+  `w -= lr * (u + weight_decay * w)`, where `u` is the AdamS direction built
+  from the sparsified first moment. Call `update` inside `shard_map` with the
+  worker's local gradients; it performs the data-parallel exchange itself.
+  With `optax.inject_hyperparams`, pass
+  `static_args=('density', 'density_warmup_steps')`.
+
+  Args:
+    learning_rate: a float or an optax schedule.
+    density: fraction of each compressed leaf sent per step, in (0, 1], or a
+      `DensitySchedule`.
+    b1, b2, eps, clip_norm, axis_name, compress, density_warmup_steps,
+      mask_encoding: see `scale_by_scape`.
+    weight_decay: decoupled weight-decay strength.
+    weight_decay_mask: optional tree or callable of bools selecting the leaves
+      that get weight decay.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`.
+
+  References:
+    SCAPE paper, Algorithm 1; `docs/design.md`.
+  """
+  return optax.chain(
+      scale_by_scape(density, b1=b1, b2=b2, eps=eps, clip_norm=clip_norm,
+                     axis_name=axis_name, compress=compress,
+                     density_warmup_steps=density_warmup_steps,
+                     mask_encoding=mask_encoding),
+      optax.add_decayed_weights(weight_decay, weight_decay_mask),
+      optax.scale_by_learning_rate(learning_rate),
+  )
+
+
+def _is_scape_state(x) -> bool:
+  return isinstance(x, ScaleByScapeState)
+
+
+def scape_stats(opt_state) -> dict:
+  """The statistics of the first `ScaleByScapeState` in `opt_state`, or {}.
+
+  `density` is the density in force at the last update; `residual_norm` is
+  per worker (a vector over the global state's workers).
+  """
+  found = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_scape_state)
+           if _is_scape_state(s)]
+  if not found:
+    return {}
+  return {'density': found[0].density,
+          'residual_norm': found[0].residual_norm}

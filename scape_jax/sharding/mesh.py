@@ -1,0 +1,68 @@
+"""The device mesh: its axis names, in one place, and how it is built.
+
+    ('replica', 'data', 'fsdp', 'tensor')
+
+* `replica`: groups that hold their own parameters between synchronisations
+  (DiLoCo/Pier); size 1 for every other method.
+* `data`: data-parallel workers; the optimizers' own exchange runs over it.
+* `fsdp`: parameters and optimizer state split over it (ZeRO-3 style).
+* `tensor`: reserved.
+
+The batch is split over `replica`, `data` and `fsdp` together.
+"""
+
+import math
+from typing import Optional, Sequence
+
+import jax
+from jax.sharding import AxisType
+
+REPLICA = 'replica'
+DATA = 'data'
+FSDP = 'fsdp'
+TENSOR = 'tensor'
+MESH_AXES = (REPLICA, DATA, FSDP, TENSOR)
+BATCH_AXES = (REPLICA, DATA, FSDP)  # the batch dimension is split over these
+
+
+def make_mesh(*, replica: int = 1, data: int = -1, fsdp: int = 1,
+              tensor: int = 1,
+              devices: Optional[Sequence[jax.Device]] = None
+              ) -> jax.sharding.Mesh:
+  """A mesh over `MESH_AXES`; `data=-1` takes the devices the others leave.
+
+  Raises:
+    ValueError: a size below 1, or sizes that do not fit the devices.
+  """
+  devices = list(devices if devices is not None else jax.devices())
+  sizes = {REPLICA: replica, DATA: data, FSDP: fsdp, TENSOR: tensor}
+  for name, size in sizes.items():
+    if size < 1 and not (name == DATA and size == -1):
+      raise ValueError(f'mesh.{name}={size} must be >= 1'
+                       + (' or -1 (all remaining devices)'
+                          if name == DATA else '') + '.')
+  if tensor != 1:
+    raise ValueError(f'mesh.tensor={tensor}: only 1 is supported so far; the '
+                     'axis is reserved.')
+  others = replica * fsdp * tensor
+  if data == -1:
+    if len(devices) % others:
+      raise ValueError(
+          f'mesh.replica={replica} x mesh.fsdp={fsdp} x mesh.tensor={tensor} '
+          f'= {others} does not divide the {len(devices)} devices.')
+    data = len(devices) // others
+    sizes[DATA] = data
+  total = math.prod(sizes.values())
+  if total > len(devices) or len(devices) % total:
+    shape = ' x '.join(f'mesh.{k}={v}' for k, v in sizes.items())
+    raise ValueError(f'{shape} = {total} devices does not fit the '
+                     f'{len(devices)} devices; use sizes whose product '
+                     f'divides {len(devices)} (mesh.data=-1 takes the rest).')
+  return jax.make_mesh(tuple(sizes.values()), MESH_AXES,
+                       axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                       devices=devices[:total])
+
+
+def axis_size(mesh: jax.sharding.Mesh, name: str) -> int:
+  """The size of axis `name` of `mesh`, 1 if it has no such axis."""
+  return mesh.shape[name] if name in mesh.axis_names else 1

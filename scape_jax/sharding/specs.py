@@ -1,0 +1,128 @@
+"""PartitionSpecs of parameters (from logical axes) and of optimizer states.
+
+Parameters carry logical axis names (`models.LOGICAL_AXES`); `LOGICAL_RULES`
+maps them to mesh axes, as MaxText's logical-axis rules do. Optimizer states
+are placed by `state_partition_specs`:
+
+* the fields a state `NamedTuple` lists in its class attribute
+  `PER_WORKER_FIELDS` differ per data-parallel worker and carry a leading
+  worker axis: they are split over the data axis;
+* subtrees shaped like the parameters (moments) get the parameters' specs;
+* everything else (counts, statistics) is replicated.
+"""
+
+from typing import Any, Optional, Sequence
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from scape_jax.sharding.mesh import DATA, FSDP, REPLICA
+
+# Logical axis -> mesh axis under the fsdp layout: every weight is split over
+# 'fsdp' along its model dimension (MaxText's rule for 'embed').
+LOGICAL_RULES = (('embed', FSDP),)
+
+
+def _is_names(x) -> bool:
+  return isinstance(x, tuple) and all(n is None or isinstance(n, str)
+                                      for n in x)
+
+
+def param_partition_specs(abstract_params, logical_axes, *, fsdp: int = 1,
+                          rules: Sequence = LOGICAL_RULES):
+  """The PartitionSpec of every parameter from its logical axis names.
+
+  Args:
+    abstract_params: a tree of arrays or `jax.ShapeDtypeStruct`s.
+    logical_axes: the same tree with a tuple of logical names per leaf (one
+      per dimension; None for an unnamed one).
+    fsdp: the size of the mesh's 'fsdp' axis; 1 replicates every parameter.
+    rules: (logical name, mesh axis) pairs; the first dimension whose name
+      has a rule is split.
+
+  Returns:
+    A tree of PartitionSpecs shaped like `abstract_params`.
+
+  Raises:
+    ValueError: a split dimension is not divisible by the axis size.
+  """
+  if fsdp == 1:
+    return jax.tree.map(lambda _: P(), abstract_params)
+  mapping = dict(rules)
+  paths = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+  names = jax.tree.leaves(logical_axes, is_leaf=_is_names)
+  if len(names) != len(paths):
+    raise ValueError(f'logical_axes has {len(names)} leaves, the params '
+                     f'{len(paths)}.')
+  specs, problems = [], []
+  for (path, x), leaf_names in zip(paths, names):
+    spec = [None] * len(x.shape)
+    for dim, name in enumerate(leaf_names):
+      if name in mapping:
+        if x.shape[dim] % fsdp:
+          problems.append(
+              f'{jax.tree_util.keystr(path)}: dimension {dim} ({name!r}) of '
+              f'shape {tuple(x.shape)} is not divisible by mesh.fsdp={fsdp}')
+        spec[dim] = mapping[name]
+        break
+    specs.append(P(*spec))
+  if problems:
+    raise ValueError('the fsdp layout cannot split these parameters:\n  '
+                     + '\n  '.join(problems))
+  return jax.tree.unflatten(jax.tree.structure(abstract_params), specs)
+
+
+def _per_worker(node) -> tuple:
+  return getattr(type(node), 'PER_WORKER_FIELDS', ())
+
+
+def _shapes(tree):
+  return jax.tree.map(lambda x: tuple(x.shape), tree)
+
+
+def state_partition_specs(opt_state, axis_name: Optional[str] = DATA, *,
+                          params: Any = None, param_specs: Any = None):
+  """PartitionSpecs for an optimizer state (concrete or abstract).
+
+  Args:
+    opt_state: the state, as `tx.init` returns it outside `shard_map`.
+    axis_name: the data-parallel axis that per-worker fields are split over.
+    params: the (abstract) parameters; with `param_specs`, subtrees of the
+      state shaped like them get `param_specs`.
+    param_specs: the parameters' PartitionSpecs.
+
+  Returns:
+    A tree of PartitionSpecs with the structure of `opt_state`.
+  """
+  ptree = None if params is None else jax.tree.structure(params)
+  pshapes = None if params is None else _shapes(params)
+
+  def mirrors_params(node) -> bool:
+    if ptree is None or param_specs is None:
+      return False
+    try:
+      return (jax.tree.structure(node) == ptree and
+              _shapes(node) == pshapes)
+    except (TypeError, AttributeError):
+      return False
+
+  def is_leaf(node) -> bool:
+    return bool(_per_worker(node)) or mirrors_params(node)
+
+  def specs(node):
+    if mirrors_params(node):
+      return param_specs
+    fields = _per_worker(node)
+    if not fields:
+      return jax.tree.map(lambda _: P(), node)
+    return node._replace(**{
+        f: jax.tree.map(lambda _: P(axis_name) if f in fields else P(),
+                        getattr(node, f)) for f in node._fields})
+
+  return jax.tree.map(specs, opt_state, is_leaf=is_leaf)
+
+
+def with_replica_axis(specs):
+  """Prepends the 'replica' axis to every PartitionSpec of a tree."""
+  return jax.tree.map(lambda s: P(REPLICA, *s), specs,
+                      is_leaf=lambda x: isinstance(x, P))

@@ -1,0 +1,231 @@
+"""Everything built from the config before any array exists.
+
+`build_program(cfg)` makes the mesh, the model functions, the method, the
+layout and the abstract train state; `Program.compile_step` compiles the
+train step for the static arguments in force at a step; `dry_run` compiles
+the steady-state step from abstract shapes and reports memory and
+collectives, allocating nothing.
+"""
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+
+import models
+from scape_jax import analysis
+from scape_jax import sharding
+from scape_jax.train import methods
+from scape_jax.train import step as step_lib
+from scape_jax.train.config import Config, ConfigError
+
+
+@dataclasses.dataclass
+class Program:
+  """The model functions, the method and the abstract state of a run."""
+  cfg: Config
+  layout: sharding.Layout
+  model_cfg: Any
+  method: methods.Method
+  apply_fn: Any  # (params, tokens) -> logits
+  init_params: Any  # () -> one group's params (pure dict)
+  abstract_params: Any  # global view, with shardings
+  abstract_opt: Any  # global view, with shardings
+  opt_specs: Any  # one group's PartitionSpecs of the optimizer state
+
+  @property
+  def mesh(self) -> jax.sharding.Mesh:
+    return self.layout.mesh
+
+  @property
+  def n_workers(self) -> int:
+    """Data-parallel workers of the optimizer's exchange."""
+    return self.layout.workers
+
+  def batch_sharding(self) -> NamedSharding:
+    return NamedSharding(self.mesh, self.layout.batch_spec())
+
+  def abstract_batch(self) -> dict:
+    d = self.cfg.data
+    s = jax.ShapeDtypeStruct((d.batch_size, d.seq_len), jnp.int32,
+                             sharding=self.batch_sharding())
+    return {'inputs': s, 'targets': s}
+
+  def state_shardings(self) -> tuple:
+    """(params, opt_state) shardings of the global view."""
+    return (self.layout.shardings(self.layout.param_specs),
+            self.layout.shardings(self.opt_specs))
+
+  def init_state(self) -> tuple:
+    """(params, opt_state) of a new run, placed by `state_shardings`."""
+    p_shard, o_shard = self.state_shardings()
+    replicas = self.layout.replicas if self.layout.per_replica else None
+
+    def params_fn():
+      params = self.init_params()
+      if replicas is None:
+        return params
+      return jax.tree.map(
+          lambda x: jnp.broadcast_to(x, (replicas,) + x.shape), params)
+
+    params = jax.jit(params_fn, out_shardings=p_shard)()
+    init = self.method.tx.init
+    if replicas is not None:
+      init = jax.vmap(init)
+    with jax.set_mesh(self.mesh):
+      opt_state = jax.jit(init, out_shardings=o_shard)(params)
+    return params, opt_state
+
+  def compile_step(self, step: int):
+    """The compiled train step for the static arguments in force at `step`."""
+    fn = step_lib.make_train_step(self.apply_fn, self.method.tx, self.layout,
+                                  self.opt_specs,
+                                  self.method.update_kwargs(step),
+                                  self.cfg.data.micro_batches)
+    return fn.lower(self.abstract_params, self.abstract_opt,
+                    self.abstract_batch()).compile()
+
+
+def _check_batch(cfg: Config, layout: sharding.Layout) -> None:
+  shards = math.prod(layout.mesh.shape[a] for a in layout.batch_axes)
+  per_worker, rest = divmod(cfg.data.batch_size, shards)
+  if rest or per_worker % cfg.data.micro_batches:
+    raise ConfigError(
+        f'data.batch_size={cfg.data.batch_size} is not divisible by the '
+        f'{shards} workers the batch is split over '
+        f'({" x ".join(layout.batch_axes)}) times '
+        f'data.micro_batches={cfg.data.micro_batches}.')
+
+
+def _model(cfg: Config):
+  """(model config, create, graphdef, abstract nnx state)."""
+  try:
+    model_cfg = models.get_config(cfg.model.preset, remat=cfg.model.remat,
+                                  attn_impl=cfg.model.attn_impl)
+  except ValueError as e:
+    raise ConfigError(f'model.preset: {e}') from e
+  if cfg.data.seq_len > model_cfg.max_seq_len:
+    raise ConfigError(
+        f'data.seq_len={cfg.data.seq_len} exceeds the max_seq_len '
+        f'{model_cfg.max_seq_len} of model {cfg.model.preset!r}.')
+  dtype = jnp.dtype(cfg.model.dtype)
+  param_dtype = jnp.dtype(cfg.model.param_dtype)
+
+  def create():
+    return models.build(model_cfg, rngs=nnx.Rngs(cfg.seed), dtype=dtype,
+                        param_dtype=param_dtype)
+
+  graphdef, abstract_state = nnx.split(nnx.eval_shape(create), nnx.Param)
+  return model_cfg, create, graphdef, abstract_state
+
+
+def _layout(cfg: Config, spec: methods.MethodSpec, mesh, abstract_state,
+            abstract_params) -> sharding.Layout:
+  fsdp = sharding.mesh.axis_size(mesh, sharding.FSDP)
+  if fsdp > 1 and not spec.supports_fsdp:
+    allowed = [n for n, s in methods.REGISTRY.items() if s.supports_fsdp]
+    raise ConfigError(f'mesh.fsdp={fsdp}: optimizer.name={spec.name!r} does '
+                      f'not run on the fsdp layout; methods that do: '
+                      f'{", ".join(allowed)}.')
+  axes = nnx.to_pure_dict(models.logical_axes(abstract_state))
+  try:
+    specs = sharding.param_partition_specs(abstract_params, axes, fsdp=fsdp)
+    return sharding.Layout(mesh, specs, per_replica=spec.per_replica)
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
+
+
+def _abstract(tree, shardings, leading: Optional[int]):
+  """ShapeDtypeStructs of `tree` with shardings, and a leading axis if any."""
+  return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(
+          ((leading,) if leading else ()) + tuple(x.shape), x.dtype,
+          sharding=s), tree, shardings)
+
+
+def build_program(cfg: Config, devices=None) -> Program:
+  """Builds the mesh, model functions, method, layout and abstract state."""
+  m = cfg.mesh
+  try:
+    mesh = sharding.make_mesh(replica=m.replica, data=m.data, fsdp=m.fsdp,
+                              tensor=m.tensor, devices=devices)
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
+  model_cfg, create, graphdef, abstract_state = _model(cfg)
+
+  def apply_fn(params, tokens):
+    state = jax.tree.map(lambda x: x, abstract_state)
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)(tokens)
+
+  def init_params():
+    return nnx.to_pure_dict(nnx.state(create(), nnx.Param))
+
+  group_params = nnx.to_pure_dict(abstract_state)
+  spec = methods.get(cfg.optimizer.name)
+  layout = _layout(cfg, spec, mesh, abstract_state, group_params)
+  _check_batch(cfg, layout)
+  method = methods.build(cfg.optimizer, cfg.steps,
+                         methods.Context(sharding.DATA, fsdp=layout.fsdp > 1))
+  with jax.set_mesh(mesh):
+    opt_shapes = jax.eval_shape(method.tx.init, group_params)
+  opt_specs = sharding.state_partition_specs(
+      opt_shapes, sharding.DATA, params=group_params,
+      param_specs=layout.param_specs)
+  leading = layout.replicas if layout.per_replica else None
+  p_shard, o_shard = (layout.shardings(layout.param_specs),
+                      layout.shardings(opt_specs))
+  return Program(cfg, layout, model_cfg, method, apply_fn, init_params,
+                 _abstract(group_params, p_shard, leading),
+                 _abstract(opt_shapes, o_shard, leading), opt_specs)
+
+
+def param_count(program: Program) -> int:
+  """Parameters of one model copy."""
+  leaves = jax.tree.leaves(program.abstract_params)
+  skip = 1 if program.layout.per_replica else 0
+  return sum(math.prod(x.shape[skip:]) for x in leaves)
+
+
+def dry_run(cfg: Config, devices=None) -> dict:
+  """Compiles the steady-state train step from abstract shapes only."""
+  program = build_program(cfg, devices)
+  compiled = program.compile_step(cfg.steps)
+  mem = compiled.memory_analysis()
+  cols = analysis.collectives_from_hlo(compiled.as_text())
+  report = {
+      'preset': cfg.model.preset,
+      'optimizer': cfg.optimizer.name,
+      'params': param_count(program),
+      'workers': program.n_workers,
+      'argument_bytes': mem.argument_size_in_bytes,
+      'output_bytes': mem.output_size_in_bytes,
+      'temp_bytes': mem.temp_size_in_bytes,
+      'alias_bytes': mem.alias_size_in_bytes,
+      'comm_bytes_per_step': analysis.bytes_sent(cols),
+  }
+  report['device_bytes'] = (report['argument_bytes'] + report['output_bytes'] +
+                            report['temp_bytes'] - report['alias_bytes'])
+  gib = 2.0**30
+  shape = ' '.join(f'{k}={v}' for k, v in program.mesh.shape.items())
+  print(f'model {cfg.model.preset}: {report["params"]:,} parameters; '
+        f'optimizer {cfg.optimizer.name}; mesh {shape}')
+  print(f'per-device memory (compiled step): {report["device_bytes"] / gib:.2f}'
+        f' GiB = arguments {report["argument_bytes"] / gib:.2f} + outputs '
+        f'{report["output_bytes"] / gib:.2f} + temporaries '
+        f'{report["temp_bytes"] / gib:.2f} - aliased '
+        f'{report["alias_bytes"] / gib:.2f}')
+  print(analysis.format_table(cols))
+  return report
+
+
+def required_devices(cfg: Config) -> Optional[int]:
+  """Devices the configured mesh needs (None when it takes all)."""
+  m = cfg.mesh
+  if m.data == -1:
+    return None
+  return m.replica * m.data * m.fsdp * m.tensor

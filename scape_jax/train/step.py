@@ -1,0 +1,118 @@
+"""The one train step every method and every layout uses, and the eval step.
+
+The whole step runs inside `jax.shard_map`. Each worker computes its local
+gradient on its part of the batch and hands it to the method's optax
+transformation, which owns the data-parallel exchange. The `Layout` says
+where parameters live: replicated, split over 'fsdp', or one copy per replica
+group (`scape_jax.sharding.layout`).
+"""
+
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+
+from scape_jax.comm.collectives import global_norm, varying
+from scape_jax.sharding.layout import Layout
+from scape_jax.sharding.mesh import DATA, FSDP
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Mean next-token cross entropy in fp32."""
+  logits = logits.astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits,
+                                                         targets).mean()
+
+
+def local_value_and_grad(loss_fn, params, batch, micro_batches: int = 1,
+                         batch_axes: Sequence[str] = (DATA,)):
+  """This worker's mean loss and gradient over `micro_batches` sequential parts.
+
+  Inside `shard_map`. Accumulation happens locally in fp32; no collective
+  runs inside the loop other than those of `loss_fn` itself.
+
+  Args:
+    loss_fn: `(params, batch) -> scalar loss`.
+    params: the parameters as this worker holds them.
+    batch: this worker's part of the batch.
+    micro_batches: sequential parts the batch is split into.
+    batch_axes: the mesh axes the batch is split over.
+  """
+  # Varying params make grad return this worker's gradient, not the psum.
+  local = jax.tree.map(lambda x: varying(x, batch_axes), params)
+  grad_fn = jax.value_and_grad(loss_fn)
+  if micro_batches == 1:
+    return grad_fn(local, batch)
+  parts = jax.tree.map(
+      lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
+
+  def accumulate(carry, part):
+    loss, grads = grad_fn(local, part)
+    return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+  zero = varying(jnp.zeros([], jnp.float32), batch_axes)
+  init = (zero, jax.tree.map(jnp.zeros_like, local))
+  (loss, grads), _ = jax.lax.scan(accumulate, init, parts)
+  return jax.tree.map(lambda x: x / micro_batches, (loss, grads))
+
+
+def make_train_step(apply_fn: Callable[[Any, jax.Array], jax.Array],
+                    tx: optax.GradientTransformation, layout: Layout,
+                    opt_specs, update_kwargs: Optional[dict] = None,
+                    micro_batches: int = 1):
+  """Builds `step(params, opt_state, batch) -> (params, opt_state, metrics)`.
+
+  Args:
+    apply_fn: `(params, tokens) -> logits`.
+    tx: the method's transformation, called with local gradients.
+    layout: where parameters, state and batch live.
+    opt_specs: per-group PartitionSpecs of the optimizer state.
+    update_kwargs: static extra arguments of `tx.update` (SCAPE's
+      `density_level`); each distinct value is one compiled program.
+    micro_batches: gradient accumulation over this many sequential parts of
+      each worker's batch before the one optimizer update.
+
+  Returns:
+    A jitted function; params and optimizer state are donated.
+  """
+  update_kwargs = update_kwargs or {}
+
+  def loss_fn(p, batch):
+    logits = apply_fn(layout.gather(p), batch['inputs'])
+    return cross_entropy(logits, batch['targets'])
+
+  def local_step(params, opt_state, batch):
+    params, opt_state = layout.enter(params), layout.enter(opt_state)
+    loss, grads = local_value_and_grad(loss_fn, params, batch, micro_batches,
+                                       layout.batch_axes)
+    grads = layout.finish_gradients(grads)
+    updates, opt_state = tx.update(grads, opt_state, params, **update_kwargs)
+    params = optax.apply_updates(params, updates)
+    grad_sq = global_norm(grads, FSDP, squared=True)  # shards combined
+    local_stats = jnp.stack([loss, grad_sq])
+    stats = jax.lax.pmean(local_stats, layout.batch_axes)
+    metrics = {'loss': stats[0], 'grad_norm': jnp.sqrt(stats[1])}
+    return layout.leave(params), layout.leave(opt_state), metrics
+
+  param_specs = layout.global_specs(layout.param_specs)
+  state_specs = layout.global_specs(opt_specs)
+  step = jax.shard_map(local_step, mesh=layout.mesh,
+                       in_specs=(param_specs, state_specs,
+                                 layout.batch_spec()),
+                       out_specs=(param_specs, state_specs,
+                                  jax.sharding.PartitionSpec()))
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_eval_step(apply_fn, layout: Layout):
+  """`(params, batch) -> mean loss`, the batch split over the batch axes."""
+
+  def eval_step(params, batch):
+    logits = apply_fn(layout.eval_params(params), batch['inputs'])
+    return cross_entropy(logits, batch['targets'])
+
+  return jax.jit(eval_step, in_shardings=(
+      layout.shardings(layout.param_specs),
+      NamedSharding(layout.mesh, layout.batch_spec())))

@@ -1,0 +1,244 @@
+"""The train loop. It delegates: setup to `program` and `_DataFeed`, saving
+to `Checkpointer`, logging to `_Reporter`, compiling to `StepPrograms`.
+
+`train(cfg)` runs (or resumes) the run in `cfg.out_dir` and returns a summary.
+"""
+
+import math
+import os
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scape_jax import analysis
+from scape_jax.train import config as config_lib
+from scape_jax.train import step as step_lib
+from scape_jax.train.checkpoint import Checkpointer
+from scape_jax.train.metrics import MetricsLogger, Progress, plot_loss
+from scape_jax.train.program import Program, build_program
+
+
+class StepPrograms:
+  """Compiles each distinct train-step program once (e.g. one per SCAPE level).
+
+  A program is keyed by the method's static update arguments at a step.
+  """
+
+  def __init__(self, program: Program):
+    self._program = program
+    self._compiled = {}
+
+  def _key(self, step: int) -> tuple:
+    return tuple(sorted(self._program.method.update_kwargs(step).items()))
+
+  def __call__(self, step: int):
+    """(executable, bytes sent per device) for the update after `step`."""
+    key = self._key(step)
+    if key not in self._compiled:
+      exe = self._program.compile_step(step)
+      self._compiled[key] = exe, analysis.collectives_from_hlo(exe.as_text())
+    exe, cols = self._compiled[key]
+    return exe, analysis.bytes_sent(cols)
+
+  def compile_all(self, start: int, end: int) -> None:
+    """Compiles every program that the updates after start..end-1 use."""
+    seen = set()
+    for step in range(start, end):
+      key = self._key(step)
+      if key not in seen:
+        seen.add(key)
+        self(step)
+
+  def collectives(self, step: int):
+    self(step)
+    return self._compiled[self._key(step)][1]
+
+
+class _DataFeed:
+  """The prepared corpus, the train iterator and the eval batches."""
+
+  def __init__(self, cfg: config_lib.Config, program: Program):
+    from scape_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+    from scape_jax.data import prepare as prepare_lib  # pylint: disable=g-import-not-at-top
+    self._program = program
+    data_dir = _prepare_data(cfg)
+    meta = prepare_lib.load_meta(data_dir)
+    if meta['vocab_size'] > program.model_cfg.vocab_size:
+      raise config_lib.ConfigError(
+          f'the tokenizer has {meta["vocab_size"]} tokens but model '
+          f'{cfg.model.preset!r} only {program.model_cfg.vocab_size}.')
+    d, rank, ranks = cfg.data, jax.process_index(), jax.process_count()
+    self.iterator = pipeline.train_iterator(
+        data_dir, seq_len=d.seq_len, global_batch_size=d.batch_size,
+        seed=cfg.seed, process_index=rank, process_count=ranks)
+    self.eval_batches = [self._global(b) for b in pipeline.eval_batches(
+        data_dir, seq_len=d.seq_len, batch_size=d.batch_size,
+        num_batches=cfg.eval_batches, process_index=rank,
+        process_count=ranks)]
+
+  def _global(self, local: dict) -> dict:
+    sharding = self._program.batch_sharding()
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+            for k, v in local.items()}
+
+  def next(self) -> dict:
+    return self._global(next(self.iterator))
+
+
+def _prepare_data(cfg: config_lib.Config) -> str:
+  """Prepares the corpus once (on process 0) and returns its directory."""
+  from scape_jax.data import prepare as prepare_lib  # pylint: disable=g-import-not-at-top
+  d = cfg.data
+  if os.path.exists(os.path.join(d.corpus, 'meta.json')):
+    return d.corpus  # an already prepared directory
+  tok_name = os.path.splitext(os.path.basename(d.tokenizer))[0]
+  name = os.path.basename(os.path.normpath(d.corpus))
+  data_dir = d.data_dir or os.path.join('data', f'{name}-{tok_name}')
+  if jax.process_index() == 0:
+    if d.corpus != 'synthetic':
+      prepare_lib.prepare(d.corpus, d.tokenizer, data_dir)  # idempotent
+    elif not os.path.exists(os.path.join(data_dir, 'meta.json')):
+      prepare_lib.make_synthetic_corpus(data_dir, num_tokens=1 << 18)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    multihost_utils.sync_global_devices('scape_jax data prepared')
+  return data_dir
+
+
+def _fetch(metrics: dict) -> dict:
+  """Device scalars (or per-worker vectors, averaged) -> Python floats.
+
+  A per-worker vector spans every process's devices; its mean is computed on
+  the devices (replicated) so that each process can read it.
+  """
+  return {k: float(jax.device_get(jnp.mean(v) if jnp.ndim(v) else v))
+          for k, v in metrics.items()}
+
+
+class _Reporter:
+  """Holds each step's device metrics until the next log line, then writes
+  them (JSONL, TensorBoard, stdout, progress bar)."""
+
+  def __init__(self, cfg: config_lib.Config, program: Program, start: int):
+    self._cfg, self._program = cfg, program
+    self.leader = jax.process_index() == 0
+    self.logger = MetricsLogger(cfg.out_dir, enabled=self.leader)
+    self._bar = Progress(cfg.steps, initial=start) if self.leader else None
+    self._tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    self._pending = []
+    self.history = []
+    self.restart_clock()
+
+  def restart_clock(self) -> None:
+    self._t0 = time.perf_counter()
+
+  def record(self, step: int, metrics: dict) -> None:
+    self._pending.append((step, metrics))
+
+  def flush(self) -> None:
+    """Fetches the pending metrics and writes one log line."""
+    if not self._pending:
+      return
+    fetched = [(s, _fetch(x)) for s, x in self._pending]
+    elapsed = time.perf_counter() - self._t0
+    tps = self._tokens_per_step * len(fetched) / max(elapsed, 1e-9)
+    for s, x in fetched:
+      x['lr'] = float(self._program.method.learning_rate(s - 1))
+      self.logger.log(s, dict(x, tokens_per_s=tps))
+      self.history.append(x['loss'])
+    s, x = fetched[-1]
+    if self.leader:
+      print(f'step {s:6d} | loss {x["loss"]:.4f} | lr {x["lr"]:.2e} | '
+            f'grad {x["grad_norm"]:.3f} | {tps:,.0f} tok/s | '
+            f'{x["comm_bytes"] / 2**20:.3f} MiB/step')
+      self._bar.update(len(fetched), loss=x['loss'])
+    self._pending = []
+    self.restart_clock()
+
+  def eval(self, step: int, loss: float) -> None:
+    ppl = math.exp(min(loss, 50))
+    self.logger.log(step, {'loss': loss, 'perplexity': ppl}, prefix='eval')
+    if self.leader:
+      print(f'step {step:6d} | eval loss {loss:.4f} | ppl {ppl:.2f}')
+
+  def close(self) -> None:
+    if self._bar:
+      self._bar.close()
+    self.logger.close()
+
+
+def _init_or_restore(program: Program, ckpt: Checkpointer, iterator):
+  """(start step, params, opt_state): the latest checkpoint, else a new run."""
+  start = ckpt.latest_step() or 0
+  if not start:
+    return (0,) + program.init_state()
+  target = {'params': program.abstract_params, 'opt': program.abstract_opt}
+  state, extras = ckpt.restore(start, target)
+  iterator.set_state(extras['data'])
+  return start, state['params'], state['opt']
+
+
+def _summarize(cfg, reporter: _Reporter, start: int,
+               eval_loss: Optional[float]) -> dict:
+  history = reporter.history
+  summary = {'steps': cfg.steps, 'start_step': start,
+             'first_loss': history[0] if history else None,
+             'final_loss': history[-1] if history else None,
+             'eval_loss': eval_loss, 'losses': history}
+  if reporter.leader:
+    png = os.path.join(cfg.out_dir, 'loss.png')
+    plot_loss(reporter.logger.path, png)
+    if history:
+      print(f'done: {cfg.steps} steps, loss {history[0]:.3f} -> '
+            f'{history[-1]:.3f}, eval loss {eval_loss:.3f} (ppl '
+            f'{math.exp(min(eval_loss, 50)):.2f}); metrics '
+            f'{reporter.logger.path}, plot {png}')
+  return summary
+
+
+def train(cfg: config_lib.Config, devices=None) -> dict:
+  """Trains (or resumes) the run in `cfg.out_dir`; returns a summary."""
+  program = build_program(cfg, devices)
+  feed = _DataFeed(cfg, program)
+  ckpt = Checkpointer(os.path.join(cfg.out_dir, 'ckpt'))
+  start, params, opt_state = _init_or_restore(program, ckpt, feed.iterator)
+  reporter = _Reporter(cfg, program, start)
+  if start and reporter.leader:
+    print(f'resumed from {cfg.out_dir}/ckpt step {start}')
+  programs = StepPrograms(program)
+  programs.compile_all(start, cfg.steps)  # compile every program before timing
+  if reporter.leader:
+    print('collectives of the train step, per device per step:')
+    print(analysis.format_table(programs.collectives(cfg.steps - 1)))
+  evaluate = step_lib.make_eval_step(program.apply_fn, program.layout)
+
+  def eval_loss() -> float:
+    return float(np.mean([float(evaluate(params, b))
+                          for b in feed.eval_batches]))
+
+  last_eval = None
+  reporter.restart_clock()
+  for step in range(start, cfg.steps):
+    fn, nbytes = programs(step)
+    params, opt_state, metrics = fn(params, opt_state, feed.next())
+    done = step + 1
+    reporter.record(done, dict(metrics, comm_bytes=nbytes,
+                               **program.method.stats(opt_state)))
+    if done % cfg.log_every == 0 or done == cfg.steps:
+      reporter.flush()
+    if cfg.eval_every and done % cfg.eval_every == 0:
+      last_eval = eval_loss()
+      reporter.eval(done, last_eval)
+    if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps:
+      ckpt.save(done, {'params': params, 'opt': opt_state},
+                {'data': feed.iterator.get_state(),
+                 'config': config_lib.to_dict(cfg)})
+  if last_eval is None or (cfg.eval_every and cfg.steps % cfg.eval_every):
+    last_eval = eval_loss()
+    reporter.eval(cfg.steps, last_eval)
+  ckpt.close()
+  reporter.close()
+  return _summarize(cfg, reporter, start, last_eval)
