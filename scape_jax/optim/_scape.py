@@ -23,6 +23,7 @@ import numpy as np
 import optax
 
 from scape_jax.comm import masks
+from scape_jax.comm.axes import DATA
 from scape_jax.comm.collectives import all_gather_invariant, varying
 from scape_jax.optim import _common
 from scape_jax.optim._common import MaskOrFn, ScalarOrSchedule
@@ -164,7 +165,7 @@ def scale_by_scape(
     b2: float = _common.B2,
     eps: float = _common.EPS,
     clip_norm: Optional[float] = _common.CLIP_NORM,
-    axis_name: Optional[str] = 'data',
+    axis_name: Optional[str] = DATA,
     compress: MaskOrFn = None,
     density_warmup_steps: int = 0,
     mask_encoding: str = 'auto',
@@ -285,7 +286,8 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
   mu = flat(state.mu)
   k_levels = [None if layout is None else plan.k_per_level(j, hyper.levels)
               for j, layout in enumerate(plan.layouts)]
-  k_now = [None if ks is None else ks[level] for ks in k_levels]
+  k_now = [None if per_level is None else per_level[level]
+           for per_level in k_levels]
 
   moment = _semi_updated_moment(grad_leaves, mu, flat(state.residual),
                                 plan, hyper.b1)
@@ -483,7 +485,7 @@ def scape(
     eps: float = _common.EPS,
     weight_decay: float = _common.WEIGHT_DECAY,
     clip_norm: Optional[float] = _common.CLIP_NORM,
-    axis_name: Optional[str] = 'data',
+    axis_name: Optional[str] = DATA,
     compress: MaskOrFn = None,
     density_warmup_steps: int = 0,
     mask_encoding: str = 'auto',

@@ -1,14 +1,6 @@
-"""The device mesh: its axis names, in one place, and how it is built.
+"""The device mesh and how it is built from the configured axis sizes.
 
-    ('replica', 'data', 'fsdp', 'tensor')
-
-* `replica`: groups that hold their own parameters between synchronisations
-  (DiLoCo/Pier); size 1 for every other method.
-* `data`: data-parallel workers; the optimizers' own exchange runs over it.
-* `fsdp`: parameters and optimizer state split over it (ZeRO-3 style).
-* `tensor`: reserved.
-
-The batch is split over `replica`, `data` and `fsdp` together.
+The axis names and what each is for are in `scape_jax.comm.axes`.
 """
 
 import math
@@ -17,12 +9,12 @@ from typing import Optional, Sequence
 import jax
 from jax.sharding import AxisType
 
-REPLICA = 'replica'
-DATA = 'data'
-FSDP = 'fsdp'
-TENSOR = 'tensor'
-MESH_AXES = (REPLICA, DATA, FSDP, TENSOR)
-BATCH_AXES = (REPLICA, DATA, FSDP)  # the batch dimension is split over these
+from scape_jax.comm.axes import BATCH_AXES  # pylint: disable=unused-import
+from scape_jax.comm.axes import DATA
+from scape_jax.comm.axes import FSDP
+from scape_jax.comm.axes import MESH_AXES
+from scape_jax.comm.axes import REPLICA
+from scape_jax.comm.axes import TENSOR
 
 
 def make_mesh(*, replica: int = 1, data: int = -1, fsdp: int = 1,
