@@ -3,6 +3,8 @@
 Parity with `transformers` itself (logits) is in test_hf.py (`make test-hf`).
 """
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -157,3 +159,24 @@ def test_save_pretrained_writes_config_and_weights(tmp_path):
   saved = st.load_file(str(tmp_path / convert.WEIGHTS_FILE))
   back = hf.from_hf_state(cfg, saved, params)
   jax.tree.map(np.testing.assert_array_equal, back, params)
+
+
+def test_a_runs_tokenizer_json_is_copied_with_its_eos(tmp_path):
+  tokenizers = pytest.importorskip('tokenizers')
+  from tokenizers import models as tok_models  # pylint: disable=g-import-not-at-top
+  from tokenizers import trainers  # pylint: disable=g-import-not-at-top
+  from scape_jax import export_hf  # pylint: disable=g-import-not-at-top
+  from scape_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  tok = tokenizers.Tokenizer(tok_models.BPE())
+  tok.train_from_iterator(['to be or not to be'] * 10, trainers.BpeTrainer(
+      vocab_size=40, special_tokens=['<|endoftext|>'], show_progress=False))
+  path = tmp_path / 'tokenizer.json'
+  tok.save(str(path))
+  cfg = config_lib.load(None, [f'--config.data.tokenizer={path}'])
+  out = tmp_path / 'out'
+  files, eos_id = export_hf._tokenizer_files(cfg, str(out), 128)  # pylint: disable=protected-access
+  assert eos_id == tok.token_to_id('<|endoftext|>') == 0
+  assert (out / 'tokenizer.json').read_bytes() == path.read_bytes()
+  config = json.loads((out / 'tokenizer_config.json').read_text())
+  assert config['eos_token'] == '<|endoftext|>'
+  assert config['model_max_length'] == 128 and 'tokenizer.json' in files
