@@ -157,7 +157,7 @@ def _hf_loader(cfg: Config, model_cfg, group_params):
     try:
       return hf.from_hf_state(model_cfg, hf.read_safetensors(
           cfg.model.init_from), group_params, jnp.dtype(cfg.model.param_dtype))
-    except (OSError, ValueError) as e:
+    except (ImportError, OSError, ValueError) as e:
       raise ConfigError(f'model.init_from={cfg.model.init_from!r}: {e}') from e
 
   return load
