@@ -3,13 +3,34 @@
 PY ?= python3
 CPU8 = JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8
 
-.PHONY: install test demo bench dry-run results
+.PHONY: install install-hf install-eval test test-hf demo bench dry-run \
+	results eval-downstream
 
 install:
 	$(PY) -m pip install -q -r requirements.txt
 
+# Hugging Face export/import (torch, transformers, safetensors) and
+# lm-evaluation-harness; see requirements-hf.txt and requirements-eval.txt.
+install-hf:
+	$(PY) -m pip install -q -r requirements.txt -r requirements-hf.txt
+
+install-eval: install-hf
+	$(PY) -m pip install -q -r requirements-eval.txt
+
 test:
 	$(CPU8) $(PY) -m pytest -q tests
+
+# Logit parity with transformers, export and import (needs make install-hf;
+# `make test` skips these without it).
+test-hf:
+	$(CPU8) $(PY) -m pytest -q -rs tests/test_hf.py tests/test_hf_convert.py
+
+# lm-evaluation-harness on a run's exported model (needs make install-eval):
+#   make eval-downstream RUN=runs/shakespeare_llama_tiny [TASKS=a,b]
+eval-downstream:
+	@test -n "$(RUN)" || { echo 'usage: make eval-downstream RUN=runs/NAME [TASKS=...]'; exit 2; }
+	JAX_PLATFORMS=cpu $(PY) bench/eval_downstream.py --run $(RUN) \
+	  $(if $(TASKS),--tasks $(TASKS)) $(EVAL_FLAGS)
 
 demo:
 	$(CPU8) $(PY) train.py --config configs/shakespeare_llama_tiny.py

@@ -30,6 +30,9 @@ from scape_jax.train import config as config_lib  # noqa: E402
 from scape_jax import train as trainer  # noqa: E402
 from scape_jax.train.metrics import read_jsonl  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_md  # noqa: E402
+
 CONFIG = 'configs/shakespeare_llama_tiny.py'
 RUNS = [  # (label, overrides)
     ('AdamW', ['--config.optimizer.name=adamw']),
@@ -116,8 +119,7 @@ def main():
       'AdamS on Llama-500M after 100k steps; reproducing that needs the GPU '
       'configs in `configs/`.',
   ]
-  with open('docs/results.md', 'w') as f:
-    f.write('\n'.join(lines) + '\n')
+  results_md.write_top('docs/results.md', lines)  # keeps others' sections
   print('\n'.join(lines))
 
 

@@ -20,6 +20,8 @@ from scape_jax.optim import scale_by_adams
 from scape_jax.optim import scale_by_scape
 from scape_jax.optim import scape
 from scape_jax.optim import scape_stats
+from scape_jax.sharding.placement import init_sharded
+from scape_jax.sharding.placement import place
 from scape_jax.sharding.specs import state_partition_specs
 
 __all__ = [
@@ -27,6 +29,8 @@ __all__ = [
     'ScaleByAdamSState',
     'ScaleByScapeState',
     'adams',
+    'init_sharded',
+    'place',
     'pmean_gradients',
     'scale_by_adams',
     'scale_by_scape',

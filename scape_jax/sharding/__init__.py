@@ -8,6 +8,8 @@ from scape_jax.sharding.mesh import MESH_AXES
 from scape_jax.sharding.mesh import REPLICA
 from scape_jax.sharding.mesh import TENSOR
 from scape_jax.sharding.mesh import make_mesh
+from scape_jax.sharding.placement import init_sharded
+from scape_jax.sharding.placement import place
 from scape_jax.sharding.specs import LOGICAL_RULES
 from scape_jax.sharding.specs import param_partition_specs
 from scape_jax.sharding.specs import state_partition_specs
@@ -15,6 +17,7 @@ from scape_jax.sharding.specs import with_replica_axis
 
 __all__ = [
     'BATCH_AXES', 'DATA', 'FSDP', 'LOGICAL_RULES', 'Layout', 'MESH_AXES',
-    'REPLICA', 'TENSOR', 'make_mesh', 'param_partition_specs',
+    'REPLICA', 'TENSOR', 'init_sharded', 'make_mesh',
+    'param_partition_specs', 'place',
     'state_partition_specs', 'with_replica_axis',
 ]

@@ -117,15 +117,19 @@ def _limit(problems: list[str]) -> str:
   return '\n  '.join([''] + shown)
 
 
-def _check_compatible(manifest: dict[str, Any], abstract: PyTree) -> list[str]:
-  """Structure/shape/dtype differences between the manifest and `abstract`."""
+def _check_compatible(manifest: dict[str, Any], abstract: PyTree,
+                      partial: bool = False) -> list[str]:
+  """Structure/shape/dtype differences between the manifest and `abstract`.
+
+  With `partial`, leaves of the checkpoint that `abstract` lacks are fine.
+  """
   saved = manifest['leaves']
   wanted = {jax.tree_util.keystr(p): x
             for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
   problems = [f'{k}: in abstract_state, not in the checkpoint'
               for k in wanted if k not in saved]
   problems += [f'{k}: in the checkpoint, not in abstract_state'
-               for k in saved if k not in wanted]
+               for k in saved if k not in wanted and not partial]
   for key in wanted.keys() & saved.keys():
     entry, x = saved[key], wanted[key]
     if entry['shape'] is None or not hasattr(x, 'shape'):
@@ -239,23 +243,9 @@ class Checkpointer:
       raise CheckpointError(f'saving step {step} to {self.directory} failed: '
                             f'{_first_line(e)}') from e
 
-  def restore(self, step: int | None,
-              abstract_state: PyTree) -> tuple[PyTree, dict[str, Any]]:
-    """Restores (state, extras) of `step` (None: the latest).
-
-    Args:
-      step: the step to restore, or None for the latest.
-      abstract_state: pytree of `jax.ShapeDtypeStruct` with shardings; the
-        restored arrays get these shardings. Shapes and dtypes must match.
-
-    Returns:
-      The restored state and extras.
-
-    Raises:
-      CheckpointError: no such directory/step, a corrupt checkpoint, or one
-        whose structure, shapes or dtypes differ from `abstract_state`.
-    """
-    manager = self._read_manager()
+  def _step(self, manager: ocp.CheckpointManager | None,
+            step: int | None) -> int:
+    """`step`, or the latest if None; raises if there is no such step."""
     if manager is None:
       raise CheckpointError(f'checkpoint directory {self.directory} does not '
                             'exist')
@@ -266,6 +256,40 @@ class Checkpointer:
     if step not in steps:
       raise CheckpointError(f'no checkpoint for step {step} in '
                             f'{self.directory}; steps there: {steps}')
+    return step
+
+  def extras(self, step: int | None = None) -> tuple[int, dict[str, Any]]:
+    """(step, extras) of `step` (None: the latest), without the arrays."""
+    manager = self._read_manager()
+    step = self._step(manager, step)
+    try:
+      extras = manager.restore(step, args=ocp.args.Composite(
+          extras=ocp.args.JsonRestore())).extras
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(f'cannot read the extras of checkpoint step {step}'
+                            f' in {self.directory}: {_first_line(e)}') from e
+    return step, dict(extras or {})
+
+  def restore(self, step: int | None, abstract_state: PyTree, *,
+              partial: bool = False) -> tuple[PyTree, dict[str, Any]]:
+    """Restores (state, extras) of `step` (None: the latest).
+
+    Args:
+      step: the step to restore, or None for the latest.
+      abstract_state: pytree of `jax.ShapeDtypeStruct` with shardings; the
+        restored arrays get these shardings. Shapes and dtypes must match.
+      partial: `abstract_state` may name only part of the saved tree (e.g.
+        `{'params': ...}`); only that part is read.
+
+    Returns:
+      The restored state and extras.
+
+    Raises:
+      CheckpointError: no such directory/step, a corrupt checkpoint, or one
+        whose structure, shapes or dtypes differ from `abstract_state`.
+    """
+    manager = self._read_manager()
+    step = self._step(manager, step)
     where = f'checkpoint {os.path.join(self.directory, str(step))}'
     try:
       manifest = manager.restore(step, args=ocp.args.Composite(
@@ -275,14 +299,20 @@ class Checkpointer:
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(f'{where} is corrupt: cannot read its checksum '
                             f'manifest: {_first_line(e)}') from e
-    problems = _check_compatible(manifest, abstract_state)
+    problems = _check_compatible(manifest, abstract_state, partial)
     if problems:
       raise CheckpointError(f'{where} does not match abstract_state:'
                             f'{_limit(problems)}')
+    if partial:
+      state_args = ocp.args.PyTreeRestore(
+          abstract_state, partial_restore=True,
+          restore_args=ocp.checkpoint_utils.construct_restore_args(
+              abstract_state))
+    else:
+      state_args = ocp.args.StandardRestore(abstract_state)
     try:
       restored = manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state),
-          extras=ocp.args.JsonRestore()))
+          state=state_args, extras=ocp.args.JsonRestore()))
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(f'{where} is corrupt or unreadable: '
                             f'{_first_line(e)}') from e

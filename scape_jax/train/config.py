@@ -53,6 +53,9 @@ class ModelConfig:
   param_dtype: str = 'float32'  # Parameter (master copy) dtype.
   remat: bool = False  # Rematerialise each block in the backward pass.
   attn_impl: str = 'xla'  # One of ATTN_IMPLS; cudnn: flash attention on GPU.
+  # A transformers GPT-2/Llama directory (config.json + model.safetensors):
+  # a new run starts from its weights and takes its shape (preset ignored).
+  init_from: str = ''
 
 
 @dataclasses.dataclass(slots=True)

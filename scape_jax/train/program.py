@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 
 import models
 from scape_jax import analysis
+from scape_jax import hf
 from scape_jax import sharding
 from scape_jax.train import methods
 from scape_jax.train import step as step_lib
@@ -36,6 +37,7 @@ class Program:
   abstract_params: Any  # global view, with shardings
   abstract_opt: Any  # global view, with shardings
   opt_specs: Any  # one group's PartitionSpecs of the optimizer state
+  load_params: Any = None  # () -> host params of model.init_from, or None
 
   @property
   def mesh(self) -> jax.sharding.Mesh:
@@ -65,14 +67,15 @@ class Program:
     p_shard, o_shard = self.state_shardings()
     replicas = self.layout.replicas if self.layout.per_replica else None
 
-    def params_fn():
-      params = self.init_params()
+    def params_fn(loaded):
+      params = self.init_params() if loaded is None else loaded
       if replicas is None:
         return params
       return jax.tree.map(
           lambda x: jnp.broadcast_to(x, (replicas,) + x.shape), params)
 
-    params = jax.jit(params_fn, out_shardings=p_shard)()
+    loaded = self.load_params() if self.load_params else None
+    params = jax.jit(params_fn, out_shardings=p_shard)(loaded)
     init = self.method.tx.init
     if replicas is not None:
       init = jax.vmap(init)
@@ -101,17 +104,33 @@ def _check_batch(cfg: Config, layout: sharding.Layout) -> None:
         f'data.micro_batches={cfg.data.micro_batches}.')
 
 
-def _model(cfg: Config):
-  """(model config, create, graphdef, abstract nnx state)."""
+def model_name(cfg: Config) -> str:
+  """`model.init_from` if set, else `model.preset`."""
+  return cfg.model.init_from or cfg.model.preset
+
+
+def model_config(cfg: Config) -> models.Config:
+  """The model's shape: `model.init_from`'s config.json, else the preset."""
+  m = cfg.model
+  if m.init_from:
+    try:
+      return hf.from_hf_config(hf.read_config(m.init_from), remat=m.remat,
+                               attn_impl=m.attn_impl)
+    except (OSError, ValueError) as e:
+      raise ConfigError(f'model.init_from={m.init_from!r}: {e}') from e
   try:
-    model_cfg = models.get_config(cfg.model.preset, remat=cfg.model.remat,
-                                  attn_impl=cfg.model.attn_impl)
+    return models.get_config(m.preset, remat=m.remat, attn_impl=m.attn_impl)
   except ValueError as e:
     raise ConfigError(f'model.preset: {e}') from e
+
+
+def _model(cfg: Config):
+  """(model config, create, graphdef, abstract nnx state)."""
+  model_cfg = model_config(cfg)
   if cfg.data.seq_len > model_cfg.max_seq_len:
     raise ConfigError(
         f'data.seq_len={cfg.data.seq_len} exceeds the max_seq_len '
-        f'{model_cfg.max_seq_len} of model {cfg.model.preset!r}.')
+        f'{model_cfg.max_seq_len} of model {model_name(cfg)!r}.')
   dtype = jnp.dtype(cfg.model.dtype)
   param_dtype = jnp.dtype(cfg.model.param_dtype)
 
@@ -121,6 +140,27 @@ def _model(cfg: Config):
 
   graphdef, abstract_state = nnx.split(nnx.eval_shape(create), nnx.Param)
   return model_cfg, create, graphdef, abstract_state
+
+
+def param_shapes(cfg: Config) -> tuple:
+  """(model config, one model copy's params as ShapeDtypeStructs)."""
+  model_cfg, _, _, abstract_state = _model(cfg)
+  return model_cfg, nnx.to_pure_dict(abstract_state)
+
+
+def _hf_loader(cfg: Config, model_cfg, group_params):
+  """() -> the params of `model.init_from` (host arrays), or None."""
+  if not cfg.model.init_from:
+    return None
+
+  def load():
+    try:
+      return hf.from_hf_state(model_cfg, hf.read_safetensors(
+          cfg.model.init_from), group_params, jnp.dtype(cfg.model.param_dtype))
+    except (ImportError, OSError, ValueError) as e:
+      raise ConfigError(f'model.init_from={cfg.model.init_from!r}: {e}') from e
+
+  return load
 
 
 def _layout(cfg: Config, spec: methods.MethodSpec, mesh, abstract_state,
@@ -181,7 +221,8 @@ def build_program(cfg: Config, devices=None) -> Program:
                       layout.shardings(opt_specs))
   return Program(cfg, layout, model_cfg, method, apply_fn, init_params,
                  _abstract(group_params, p_shard, leading),
-                 _abstract(opt_shapes, o_shard, leading), opt_specs)
+                 _abstract(opt_shapes, o_shard, leading), opt_specs,
+                 _hf_loader(cfg, model_cfg, group_params))
 
 
 def param_count(program: Program) -> int:
@@ -198,7 +239,7 @@ def dry_run(cfg: Config, devices=None) -> dict:
   mem = compiled.memory_analysis()
   cols = analysis.collectives_from_hlo(compiled.as_text())
   report = {
-      'preset': cfg.model.preset,
+      'preset': model_name(cfg),
       'optimizer': cfg.optimizer.name,
       'params': param_count(program),
       'workers': program.n_workers,
@@ -212,7 +253,7 @@ def dry_run(cfg: Config, devices=None) -> dict:
                             report['temp_bytes'] - report['alias_bytes'])
   gib = 2.0**30
   shape = ' '.join(f'{k}={v}' for k, v in program.mesh.shape.items())
-  print(f'model {cfg.model.preset}: {report["params"]:,} parameters; '
+  print(f'model {model_name(cfg)}: {report["params"]:,} parameters; '
         f'optimizer {cfg.optimizer.name}; mesh {shape}')
   print(f'per-device memory (compiled step): {report["device_bytes"] / gib:.2f}'
         f' GiB = arguments {report["argument_bytes"] / gib:.2f} + outputs '

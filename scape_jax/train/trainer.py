@@ -18,6 +18,7 @@ from scape_jax.train import config as config_lib
 from scape_jax.train import step as step_lib
 from scape_jax.train.checkpoint import Checkpointer
 from scape_jax.train.metrics import MetricsLogger, Progress, plot_loss
+from scape_jax.train import program as program_lib
 from scape_jax.train.program import Program, build_program
 
 
@@ -69,7 +70,8 @@ class _DataFeed:
     if meta['vocab_size'] > program.model_cfg.vocab_size:
       raise config_lib.ConfigError(
           f'the tokenizer has {meta["vocab_size"]} tokens but model '
-          f'{cfg.model.preset!r} only {program.model_cfg.vocab_size}.')
+          f'{program_lib.model_name(cfg)!r} only '
+          f'{program.model_cfg.vocab_size}.')
     d, rank, ranks = cfg.data, jax.process_index(), jax.process_count()
     self.iterator = pipeline.train_iterator(
         data_dir, seq_len=d.seq_len, global_batch_size=d.batch_size,
