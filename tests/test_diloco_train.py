@@ -262,7 +262,7 @@ def test_mesh_must_cover_every_device(overrides, message):
      r"inner='pier' is an outer method; allowed inner methods: adamw, "
      'adams, scape'),
     (['--config.optimizer.diloco.inner=sgd'], r"optimizer.name='sgd'"),
-    (['--config.optimizer.pier.inner=scape'],
+    (['--config.optimizer.pier.inner=scape', '--config.steps=100'],
      r"inner='scape': the lazy start .* needs a dense one \(adamw, adams\)"),
     (['--config.optimizer.diloco.outer_momentum=1'],
      r'outer_momentum=1.0 must be in \[0, 1\)'),
