@@ -279,3 +279,15 @@ def test_pier_with_scape_inner_needs_no_lazy_start():
   program = trainer.build_program(cfg)
   assert program.method.update_kwargs(0) == {'density_level': 0,
                                              'phase': 'inner'}
+
+
+def test_offload_to_a_missing_memory_kind_is_a_config_error(monkeypatch):
+  original = outer.offload_memory_kinds
+  monkeypatch.setattr(outer, 'offload_memory_kinds',
+                      lambda state: original(state, host='hbm_far'))
+  cfg = _cfg('--config.optimizer.name=pier', '--config.mesh.replica=2')
+  with pytest.raises(config_lib.ConfigError, match=(
+      r"optimizer.pier.offload: memory kind 'hbm_far' is not available on cpu"
+      r" device 0; its memory kinds are \['device', 'pinned_host', "
+      r"'unpinned_host'\]. Set optimizer.pier.offload=False")):
+    trainer.build_program(cfg)
