@@ -27,6 +27,7 @@ from scape_jax import sharding
 from scape_jax import train as trainer
 from scape_jax.comm.collectives import pmean_gradients
 from scape_jax.data.prepare import make_synthetic_corpus
+from scape_jax.optim import _scape as scape_lib
 from scape_jax.train import checkpoint
 from scape_jax.train import config as config_lib
 from scape_jax.train import step as step_lib
@@ -79,12 +80,13 @@ def _tiny_setup(tx, groups, data, params, per_replica=True, **kwargs):
                             devices=jax.devices()[:groups * data])
   layout = sharding.Layout(mesh, jax.tree.map(lambda _: P(), params),
                            per_replica=per_replica)
-  specs = sharding.state_partition_specs(jax.eval_shape(tx.init, params))
-  if per_replica:
-    params = jax.tree.map(lambda x: jnp.stack([x] * groups), params)
-    state = jax.vmap(tx.init)(params)
-  else:
-    state = tx.init(params)
+  with jax.set_mesh(mesh):  # SCAPE's init reads the 'data' axis size
+    specs = sharding.state_partition_specs(jax.eval_shape(tx.init, params))
+    if per_replica:
+      params = jax.tree.map(lambda x: jnp.stack([x] * groups), params)
+      state = jax.vmap(tx.init)(params)
+    else:
+      state = tx.init(params)
   params = jax.device_put(params, layout.shardings(layout.param_specs))
   state = jax.device_put(state, layout.shardings(specs))
   step_fn = step_lib.make_train_step(_tiny_apply, tx, layout, specs, kwargs)
@@ -135,6 +137,22 @@ def test_two_groups_identity_outer_step_is_the_mean_of_their_steps():
       for g in range(2):
         np.testing.assert_allclose(np.asarray(both[k][g]), theta[k],
                                    rtol=1e-6, atol=1e-7)
+
+
+def test_scape_inside_diloco_gets_its_density_level():
+  """The inner method's own static arguments reach it through the wrapper."""
+  params, batches = _tiny_params(), _batches(2, seq=4, vocab=16)
+  tx = outer.diloco(scape_lib.scape(1e-2, density=0.25, axis_name='data',
+                                    density_warmup_steps=1), sync_every=2)
+  inner, theta, state = _tiny_setup(tx, 2, 4, params, phase='inner',
+                                    density_level=1)
+  sync, _, _ = _tiny_setup(tx, 2, 4, params, phase='sync', density_level=1)
+  for step, b in zip((inner, sync), batches):
+    theta, state = step(theta, state, b)
+    apart = np.abs(np.asarray(theta['out'][0] - theta['out'][1])).max()
+    assert (apart < 1e-6) == (step is sync), apart
+    # Level 1 already at the first step (by the count it would be level 0).
+    assert np.asarray(state.inner[0].density).tolist() == [0.25, 0.25]
 
 
 def _reduced(cols, group_size):
