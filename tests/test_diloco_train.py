@@ -177,6 +177,7 @@ def test_bytes_of_the_inner_sync_and_lazy_programs():
   # Sync: the same, plus one mean of the parameters over the 2 groups.
   assert _reduced(cols['sync'], 4) == _reduced(cols['inner'], 4)
   assert _reduced(cols['sync'], 2) == params
+  assert len([c for c in cols['sync'] if c.group_size == 2]) == 1  # one op
   # Lazy start: the exchange over all 8 workers.
   assert params <= _reduced(cols['lazy'], 8) <= params + 2
   assert _reduced(cols['lazy'], 4) == _reduced(cols['lazy'], 2) == 0
