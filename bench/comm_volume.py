@@ -16,6 +16,16 @@ A compressed leaf whose k equals its chunk (density 1) is sent dense and has no
 mask, exactly as `scale_by_scape` does. Measured minus analytic is reported,
 never hidden.
 
+DiLoCo/Pier (a second table, `comm_volume_outer.*`): N workers in N/G replica
+groups of G = 4 ('replica' x 'data'); the inner step and the sync step are
+separate programs, both compiled and measured:
+
+  inner step         2 (G-1)/G * 4 * params          (AdamW within the group)
+  sync step          inner + 2 (R-1)/R * 4 * params  (mean of the change over
+                                                      the R = N/G groups)
+  amortised over r   inner + (sync - inner) / r
+  Pier's lazy start  AdamW over all N workers: the dense adamw row
+
 Rows whose program is provably identical to one already compiled share it:
 `mask_encoding='auto'` resolves to one encoding per leaf, and when that is the
 same encoding on every leaf as 'bitmap' (or 'indices'), SCAPE traces the same
@@ -24,6 +34,8 @@ say so in the `program` column; `--no-dedupe` compiles them anyway.
 
   python bench/comm_volume.py                       # the full table + plot
   python bench/comm_volume.py --models llama-tiny --workers 8 --no-plot
+  python bench/comm_volume.py --models llama-tiny --workers 8 32 --no-plot \
+      --outer-only                                  # DiLoCo/Pier rows only
 """
 
 import argparse
@@ -59,6 +71,8 @@ DENSITIES = (0.1, 0.01)
 ENCODINGS = ('bitmap', 'indices', 'auto')
 PLOT_DENSITIES = (1.0, 0.1, 0.03, 0.01, 0.001)
 PLOT_MODEL, PLOT_N = 'llama500m', 32
+GROUP_SIZE = 4  # DiLoCo/Pier rows: workers per replica group (one node).
+SYNC_EVERY = (50, 500)  # r of the amortised columns (Pier's range).
 # Only LLVM's optimization of the generated CPU code; HLO passes (where the
 # collectives are formed and combined) are unaffected. `--full-backend-opt`.
 FAST_BACKEND_FLAG = '--xla_backend_optimization_level=0'
@@ -138,12 +152,12 @@ def make_config(model: str, n: int, method: str, density=None,
   return config_lib.load(None, over)
 
 
-def measure(cfg: config_lib.Config) -> dict:
-  """Compiles the steady-state train step; its collectives and timing."""
-  n = cfg.mesh.data
+def measure(cfg: config_lib.Config, step=None) -> dict:
+  """Compiles the train step (default: steady state); collectives, timing."""
+  n = cfg.mesh.data * cfg.mesh.replica
   program = trainer.build_program(cfg, jax.devices()[:n])
   t0 = time.perf_counter()
-  compiled = program.compile_step(cfg.steps)
+  compiled = program.compile_step(cfg.steps if step is None else step)
   seconds = time.perf_counter() - t0
   cols = analysis.collectives_from_hlo(compiled.as_text())
   by_kind = {}
@@ -170,6 +184,8 @@ def run_group(task) -> list:
   Returns one row per requested encoding (one row for dense methods).
   """
   model, n, method, density, encodings, dedupe = task
+  if method == 'diloco':
+    return run_outer_group(model, n)
   if method != 'scape':
     m = measure(make_config(model, n, method))
     return [dict(m, model=model, N=n, method=method, density=None,
@@ -196,6 +212,35 @@ def run_group(task) -> list:
                      analytic_mask=an['mask_bytes']))
   order = {e: i for i, e in enumerate(encodings)}
   return sorted(rows, key=lambda r: order[r['encoding']])
+
+
+def outer_config(model: str, n: int, seq_len: int = 128) -> config_lib.Config:
+  """DiLoCo (AdamW inside) on N/G groups of G; step 0 inner, step 1 sync."""
+  return config_lib.load(None, [
+      f'--config.model.preset={model}', '--config.optimizer.name=diloco',
+      f'--config.mesh.replica={n // GROUP_SIZE}',
+      f'--config.mesh.data={GROUP_SIZE}', f'--config.data.batch_size={n}',
+      f'--config.data.seq_len={seq_len}', '--config.steps=2',
+      '--config.optimizer.diloco.sync_every=2'])
+
+
+def run_outer_group(model: str, n: int) -> list:
+  """The inner and the sync program of DiLoCo/Pier, each compiled."""
+  cfg = outer_config(model, n)
+  inner, sync = measure(cfg, step=0), measure(cfg, step=1)
+  groups, params = n // GROUP_SIZE, inner['params']
+  analytic = dense_bytes(params, GROUP_SIZE)
+  return [dict(
+      model=model, N=n, method='diloco', groups=groups, params=params,
+      measured_bytes=inner['measured_bytes'], analytic=analytic,
+      sync_bytes=sync['measured_bytes'],
+      analytic_sync=analytic + dense_bytes(params, groups),
+      dense_over_n=dense_bytes(params, n),
+      complete=inner['complete'] and sync['complete'],
+      compile_s=inner['compile_s'] + sync['compile_s'],
+      program='inner and sync compiled',
+      collectives={'inner': inner['collectives'],
+                   'sync': sync['collectives']})]
 
 
 def _init_worker(xla_flags):
@@ -231,6 +276,8 @@ def _log(rows):
 
 
 def label(r) -> str:
+  if r['method'] == 'diloco':
+    return f'diloco {r["groups"]}x{GROUP_SIZE} inner'
   if r['method'] != 'scape':
     return r['method']
   return f'scape d={r["density"]:g} {r["encoding"]}'
@@ -285,6 +332,38 @@ def csv_row(r) -> dict:
   }
 
 
+def outer_markdown(rows) -> str:
+  """DiLoCo/Pier: inner and sync steps, and per step amortised over r."""
+  across = ' | '.join(f'across groups r={r}' for r in SYNC_EVERY)
+  total = ' | '.join(f'total r={r}' for r in SYNC_EVERY)
+  lines = [f'| model | params | N | groups x G | inner step | (analytic) | '
+           f'sync step | (analytic) | {across} | {total} | dense AdamW '
+           'over N (analytic) |',
+           '|' + '---|' * (9 + 2 * len(SYNC_EVERY))]
+  for r in rows:
+    extra = r['sync_bytes'] - r['measured_bytes']  # the mean over groups
+    cells = [r['measured_bytes'], r['analytic'], r['sync_bytes'],
+             r['analytic_sync']] + [extra / k for k in SYNC_EVERY] + [
+                 r['measured_bytes'] + extra / k for k in SYNC_EVERY] + [
+                     r['dense_over_n']]
+    lines.append(f'| {r["model"]} | {r["params"] / 1e6:.1f}M | {r["N"]} | '
+                 f'{r["groups"]} x {GROUP_SIZE} | '
+                 + ' | '.join(f'{b / 1e6:.3f}' for b in cells) + ' |')
+  return '\n'.join(lines)
+
+
+def write_outer(rows, out: str, command: str) -> None:
+  rows = sorted(rows, key=lambda r: (r['params'], r['N']))
+  table = outer_markdown(rows)
+  with open(os.path.join(out, 'comm_volume_outer.md'), 'w') as f:
+    f.write(f'<!-- {command} -->\n{table}\n')
+  with open(os.path.join(out, 'comm_volume_outer.json'), 'w') as f:
+    json.dump({'command': command, 'group_size': GROUP_SIZE,
+               'sync_every': SYNC_EVERY, 'rows': rows}, f, indent=1)
+  print()
+  print(table)
+
+
 def plot(rows, path: str) -> None:
   """Bytes per step vs density on PLOT_MODEL at PLOT_N, each encoding."""
   import matplotlib
@@ -319,6 +398,51 @@ def plot(rows, path: str) -> None:
   plt.close(fig)
 
 
+def _tasks(args) -> tuple:
+  """(tasks, the main table's keys, whether to plot) from the arguments."""
+  dedupe, tasks = not args.no_dedupe, []
+  for model in [] if args.outer_only else args.models:
+    for n in args.workers:
+      tasks += [(model, n, m, None, None, dedupe) for m in ('adamw', 'adams')]
+      tasks += [(model, n, 'scape', d, ENCODINGS, dedupe)
+                for d in args.densities]
+  table_keys = {(t[0], t[1], t[2], t[3]) for t in tasks}
+  plotting = (not args.no_plot and not args.outer_only and
+              PLOT_MODEL in args.models and PLOT_N in args.workers)
+  if plotting:
+    tasks += [(PLOT_MODEL, PLOT_N, 'scape', d, ENCODINGS, dedupe)
+              for d in args.plot_densities
+              if (PLOT_MODEL, PLOT_N, 'scape', d) not in table_keys]
+  if not args.no_outer:
+    tasks += [(model, n, 'diloco', None, None, dedupe)
+              for model in args.models for n in args.workers
+              if n % GROUP_SIZE == 0 and n > GROUP_SIZE]
+  return tasks, table_keys, plotting
+
+
+def write_main(rows, table_keys, args, meta) -> None:
+  """The table, CSV and JSON of AdamW, AdamS and SCAPE."""
+  order = {m: i for i, m in enumerate(args.models)}
+  rows.sort(key=lambda r: (order[r['model']], r['N'],
+                           ['adamw', 'adams', 'scape'].index(r['method']),
+                           -(r['density'] or 2),
+                           ENCODINGS.index(r['encoding'] or 'auto')))
+  table = [r for r in rows if (r['model'], r['N'], r['method'],
+                               r['density']) in table_keys]
+  with open(os.path.join(args.out, 'comm_volume.csv'), 'w', newline='') as f:
+    w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+    w.writeheader()
+    w.writerows(csv_row(r) for r in table)
+  with open(os.path.join(args.out, 'comm_volume.json'), 'w') as f:
+    json.dump({'meta': meta, 'rows': [
+        {k: (sorted(v) if isinstance(v, set) else v) for k, v in r.items()
+         if k != 'shapes'} for r in rows]}, f, indent=1)
+  with open(os.path.join(args.out, 'comm_volume.md'), 'w') as f:
+    f.write(f'<!-- {meta["command"]} -->\n{markdown(table)}\n')
+  print()
+  print(markdown(table))
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--models', nargs='+', default=list(MODELS))
@@ -328,6 +452,10 @@ def main(argv=None):
                  default=list(PLOT_DENSITIES))
   p.add_argument('--no-plot', action='store_true')
   p.add_argument('--no-dedupe', action='store_true')
+  p.add_argument('--no-outer', action='store_true',
+                 help='skip the DiLoCo/Pier table')
+  p.add_argument('--outer-only', action='store_true',
+                 help='only the DiLoCo/Pier table')
   p.add_argument('--jobs', type=int, default=2)
   p.add_argument('--full-backend-opt', action='store_true',
                  help=f'do not add {FAST_BACKEND_FLAG} (compiles slower)')
@@ -337,60 +465,34 @@ def main(argv=None):
       os.environ['XLA_FLAGS']):  # Read when the backend starts, not at import.
     os.environ['XLA_FLAGS'] += ' ' + FAST_BACKEND_FLAG
   t0 = time.perf_counter()
-  dedupe = not args.no_dedupe
-  tasks = []
-  for model in args.models:
-    for n in args.workers:
-      tasks += [(model, n, m, None, None, dedupe) for m in ('adamw', 'adams')]
-      tasks += [(model, n, 'scape', d, ENCODINGS, dedupe)
-                for d in args.densities]
-  table_keys = {(t[0], t[1], t[2], t[3]) for t in tasks}
-  plotting = (not args.no_plot and PLOT_MODEL in args.models and
-              PLOT_N in args.workers)
-  if plotting:
-    tasks += [(PLOT_MODEL, PLOT_N, 'scape', d, ENCODINGS, dedupe)
-              for d in args.plot_densities
-              if (PLOT_MODEL, PLOT_N, 'scape', d) not in table_keys]
+  tasks, table_keys, plotting = _tasks(args)
   n_groups = len(tasks)
   print(f'{n_groups} groups of programs to compile, {args.jobs} at a time; '
         f'XLA_FLAGS={os.environ["XLA_FLAGS"]!r}', flush=True)
-  rows = finish(run_all(tasks, args.jobs))
-  order = {m: i for i, m in enumerate(args.models)}
-  rows.sort(key=lambda r: (order[r['model']], r['N'],
-                           ['adamw', 'adams', 'scape'].index(r['method']),
-                           -(r['density'] or 2),
-                           ENCODINGS.index(r['encoding'] or 'auto')))
-  table = [r for r in rows if (r['model'], r['N'], r['method'],
-                               r['density']) in table_keys]
+  measured = run_all(tasks, args.jobs)
+  rows = finish([r for r in measured if r['method'] != 'diloco'])
+  outer_rows = [r for r in measured if r['method'] == 'diloco']
   os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, 'comm_volume.csv'), 'w', newline='') as f:
-    w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-    w.writeheader()
-    w.writerows(csv_row(r) for r in table)
-  elapsed = time.perf_counter() - t0
-  meta = {'command': ' '.join(['python', 'bench/comm_volume.py'] +
-                              (sys.argv[1:] if argv is None else argv)),
-          'jax': jax.__version__, 'xla_flags': os.environ['XLA_FLAGS'],
-          'seq_len': 128, 'batch_size': 'N (one sequence per worker)',
-          'mb': 1e6, 'wall_s': elapsed}
-  with open(os.path.join(args.out, 'comm_volume.json'), 'w') as f:
-    json.dump({'meta': meta, 'rows': [
-        {k: (sorted(v) if isinstance(v, set) else v) for k, v in r.items()
-         if k != 'shapes'} for r in rows]}, f, indent=1)
-  with open(os.path.join(args.out, 'comm_volume.md'), 'w') as f:
-    f.write(f'<!-- {meta["command"]} -->\n{markdown(table)}\n')
-  print()
-  print(markdown(table))
+  command = ' '.join(['python', 'bench/comm_volume.py'] +
+                     (sys.argv[1:] if argv is None else argv))
+  meta = {'command': command, 'jax': jax.__version__,
+          'xla_flags': os.environ['XLA_FLAGS'], 'seq_len': 128,
+          'batch_size': 'N (one sequence per worker)', 'mb': 1e6,
+          'wall_s': time.perf_counter() - t0}
+  if rows:
+    write_main(rows, table_keys, args, meta)
+  if outer_rows:
+    write_outer(outer_rows, args.out, command)
   if plotting:
     png = os.path.join(args.out, 'comm_vs_density.png')
     plot(rows, png)
     print(f'\nplot: {png}')
-  incomplete = [label(r) for r in rows if not r['complete']]
+  incomplete = [label(r) for r in measured if not r['complete']]
   if incomplete:
     print(f'WARNING: collectives with unknown count in {incomplete}')
-  print(f'\n{len(rows)} rows from {n_groups} groups in {elapsed:.0f} s; '
-        f'wrote {args.out}/comm_volume.csv, .json and .md')
-  return rows
+  print(f'\n{len(measured)} rows from {n_groups} groups in '
+        f'{meta["wall_s"]:.0f} s; wrote {args.out}/comm_volume*.{{csv,json,md}}')
+  return rows + outer_rows
 
 
 if __name__ == '__main__':

@@ -78,10 +78,26 @@ class Layout:
       return per_group_specs
     return specs_lib.with_replica_axis(per_group_specs)
 
-  def shardings(self, per_group_specs):
-    return jax.tree.map(lambda s: NamedSharding(self.mesh, s),
-                        self.global_specs(per_group_specs),
-                        is_leaf=lambda x: isinstance(x, P))
+  def shardings(self, per_group_specs, memory_kinds=None):
+    """NamedShardings of the global view.
+
+    Args:
+      per_group_specs: a tree of PartitionSpecs (one group's view).
+      memory_kinds: None (device memory), or the same tree with a memory
+        kind per leaf ('device', 'pinned_host', ...).
+
+    Raises:
+      ValueError: a memory kind that the mesh's devices do not have.
+    """
+    specs = self.global_specs(per_group_specs)
+    is_spec = lambda x: isinstance(x, P)
+    if memory_kinds is None:
+      return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
+                          is_leaf=is_spec)
+    check_memory_kinds(self.mesh, set(jax.tree.leaves(memory_kinds)))
+    return jax.tree.map(
+        lambda s, kind: NamedSharding(self.mesh, s, memory_kind=kind), specs,
+        memory_kinds, is_leaf=is_spec)
 
   # Inside shard_map. ---------------------------------------------------------
 
@@ -136,3 +152,15 @@ class Layout:
     if not self.per_replica:
       return params
     return jax.tree.map(lambda x: x[0], params)
+
+
+def check_memory_kinds(mesh: jax.sharding.Mesh, kinds) -> None:
+  """Raises ValueError naming the kinds the devices have if one is missing."""
+  device = mesh.devices.flat[0]
+  available = sorted(m.kind for m in device.addressable_memories())
+  missing = sorted(set(kinds) - set(available))
+  if missing:
+    raise ValueError(
+        f'memory kind {", ".join(map(repr, missing))} is not available on '
+        f'{device.platform} device {device.id}; its memory kinds are '
+        f'{available}.')

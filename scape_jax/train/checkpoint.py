@@ -83,9 +83,16 @@ def _leaf_checksum(x: jax.Array) -> jax.Array:
                     jnp.sum(w * (2 * index + 1), dtype=jnp.uint32)])
 
 
+def _in_device_memory(x: jax.Array) -> jax.Array:
+  """`x` itself, or a device copy of a leaf kept in host memory."""
+  if getattr(jax.typeof(x), 'memory_space', None) == jax.memory.Space.Host:
+    return jax.device_put(x, jax.memory.Space.Device)
+  return x
+
+
 @jax.jit
 def _checksums(leaves: list[jax.Array]) -> list[jax.Array]:
-  return [_leaf_checksum(x) for x in leaves]
+  return [_leaf_checksum(_in_device_memory(x)) for x in leaves]
 
 
 def _is_array(x: Any) -> bool:

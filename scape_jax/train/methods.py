@@ -24,19 +24,21 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import optax
 
+from scape_jax import outer as outer_lib
 from scape_jax.comm import collectives
 from scape_jax.optim import _adams as adams_lib
 from scape_jax.optim import _scape as scape_lib
-from scape_jax.sharding.mesh import DATA, FSDP
+from scape_jax.sharding.mesh import DATA, FSDP, REPLICA
 
 DECAYS = ('cosine', 'constant')  # Learning-rate schedules after warmup.
 
 
 @dataclasses.dataclass(frozen=True)
 class Context:
-  """What building a method needs to know about the layout."""
-  axis_name: Optional[str] = DATA  # the data-parallel exchange axis
+  """What building a method needs to know about the layout and the run."""
+  axis_name: Any = DATA  # the data-parallel exchange axis (or axes)
   fsdp: bool = False  # parameters and gradients split over 'fsdp'
+  total_steps: int = 1  # steps in the run (schedules in fractions of it)
 
 
 class Built(NamedTuple):
@@ -44,6 +46,9 @@ class Built(NamedTuple):
   tx: optax.GradientTransformation
   # step (updates completed) -> static keyword arguments of `tx.update`.
   static_args: Optional[Callable[[int], dict]] = None
+  # (abstract) opt_state -> its memory kind per leaf ('device',
+  # 'pinned_host'); None: every leaf in device memory.
+  memory_kinds: Optional[Callable[[Any], Any]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +59,9 @@ class MethodSpec:
   section: Optional[type] = None
   supports_fsdp: bool = False
   per_replica: bool = False
+  # Its exchange is the dense mean of the gradients, over any mesh axes
+  # (Pier's lazy start runs it over 'replica' and 'data' together).
+  dense: bool = False
   stats: Callable[[Any], dict] = lambda opt_state: {}
   summary: str = ''  # one line for `--help`-style listings
 
@@ -87,6 +95,7 @@ class Method:
   tx: optax.GradientTransformation
   learning_rate: optax.Schedule
   static_args: Optional[Callable[[int], dict]] = None
+  memory_kinds: Optional[Callable[[Any], Any]] = None  # see `Built`
 
   @property
   def name(self) -> str:
@@ -117,8 +126,9 @@ def build(cfg, total_steps: int, ctx: Context = Context()) -> Method:
   spec = get(cfg.name)
   section = getattr(cfg, spec.name) if spec.section else None
   lr = learning_rate(cfg, total_steps)
-  built = spec.build(cfg, section, lr, ctx)
-  return Method(spec, built.tx, lr, built.static_args)
+  built = spec.build(cfg, section, lr,
+                     dataclasses.replace(ctx, total_steps=total_steps))
+  return Method(spec, built.tx, lr, built.static_args, built.memory_kinds)
 
 
 # ----------------------------------------------------------------------------
@@ -148,9 +158,9 @@ def _build_adams(cfg, section, lr, ctx) -> Built:
                       weight_decay=cfg.weight_decay)))
 
 
-register(MethodSpec('adamw', _build_adamw, supports_fsdp=True,
+register(MethodSpec('adamw', _build_adamw, supports_fsdp=True, dense=True,
                     summary='dense AdamW (optax), the reference baseline'))
-register(MethodSpec('adams', _build_adams, supports_fsdp=True,
+register(MethodSpec('adams', _build_adams, supports_fsdp=True, dense=True,
                     summary='dense AdamS: Adam normalised by its momentum'))
 
 
@@ -180,3 +190,104 @@ register(MethodSpec('scape', _build_scape, section=ScapeConfig,
                     stats=scape_lib.scape_stats,
                     summary='AdamS with a top-k sparsified, error-fed first '
                     'moment (SCAPE Algorithm 1)'))
+
+
+# ----------------------------------------------------------------------------
+# Outer methods: an inner method per replica group, synchronised every r
+# steps (DiLoCo, Pier). The inner method is any method above, set up by the
+# common keys and its own section.
+
+
+@dataclasses.dataclass(slots=True)
+class DiLoCoConfig:
+  inner: str = 'adamw'  # The inner method: a registered name, not an outer.
+  sync_every: int = 50  # r: steps between synchronisations, >= 1.
+  outer_lr: float = 0.7  # Outer learning rate (DiLoCo's 0.7).
+  outer_momentum: float = 0.9  # Outer Nesterov momentum, in [0, 1).
+  offload: bool = False  # Old model and outer momentum in pinned host memory.
+
+
+@dataclasses.dataclass(slots=True)
+class PierConfig:
+  inner: str = 'adamw'  # The inner method; dense (adamw, adams) if lazy.
+  sync_every: int = 50  # r: steps between synchronisations, >= 1.
+  lazy_start: float = 0.1  # p in [0, 1): data-parallel over all; 0: none.
+  momentum_warmup: bool = True  # M <- 0.9 M + delta every r lazy steps.
+  momentum_decay: bool = True  # mu 0.99, 0.95, 0.9; off: outer_momentum.
+  outer_lr_schedule: bool = True  # 0 -> 1, 1.1, 0.9; off: outer_lr.
+  outer_momentum: float = 0.9  # Outer momentum when momentum_decay is off.
+  outer_lr: float = 0.7  # Outer lr when outer_lr_schedule is off.
+  offload: bool = True  # Old model and outer momentum in pinned host memory.
+
+
+def _inner_method(cfg, section, lr, ctx, lazy: bool) -> tuple:
+  """(inner Built, lazy-start Built or None) of an outer method's section."""
+  spec = get(section.inner)
+  if spec.per_replica:
+    raise ValueError(
+        f'inner={section.inner!r} is an outer method; allowed inner methods: '
+        f'{", ".join(n for n, s in REGISTRY.items() if not s.per_replica)}.')
+  if lazy and not spec.dense:
+    raise ValueError(
+        f'inner={section.inner!r}: the lazy start runs the inner method '
+        'data-parallel over all workers, which needs a dense one ('
+        f'{", ".join(n for n, s in REGISTRY.items() if s.dense)}); or set '
+        'lazy_start=0.')
+  own = getattr(cfg, spec.name) if spec.section else None
+  inner = spec.build(cfg, own, lr, ctx)
+  lazy_built = spec.build(cfg, own, lr, dataclasses.replace(
+      ctx, axis_name=(REPLICA, ctx.axis_name))) if lazy else None
+  return inner, lazy_built
+
+
+def _outer_built(tx, schedule, inner: Built, offload: bool) -> Built:
+  def static_args(step: int) -> dict:
+    extra = inner.static_args(step) if inner.static_args else {}
+    return dict(extra, phase=schedule.phase(step))
+
+  return Built(tx, static_args,
+               outer_lib.offload_memory_kinds if offload else None)
+
+
+def _build_diloco(cfg, section: DiLoCoConfig, lr, ctx) -> Built:
+  inner, _ = _inner_method(cfg, section, lr, ctx, lazy=False)
+  tx = outer_lib.diloco(inner.tx, section.sync_every, section.outer_lr,
+                        section.outer_momentum)
+  return _outer_built(tx, outer_lib.SyncSchedule(section.sync_every), inner,
+                      section.offload)
+
+
+def _build_pier(cfg, section: PierConfig, lr, ctx) -> Built:
+  steps = ctx.total_steps
+  lazy_steps = outer_lib.lazy_start_steps(section.lazy_start, steps)
+  inner, lazy = _inner_method(cfg, section, lr, ctx, lazy=lazy_steps > 0)
+  tx = outer_lib.pier(
+      inner.tx, lazy.tx if lazy else None, steps, section.sync_every,
+      lazy_start=section.lazy_start,
+      momentum_warmup=section.momentum_warmup,
+      outer_momentum=(None if section.momentum_decay
+                      else section.outer_momentum),
+      outer_lr=None if section.outer_lr_schedule else section.outer_lr)
+  schedule = outer_lib.sync_schedule(steps, section.sync_every,
+                                     section.lazy_start,
+                                     section.momentum_warmup)
+  return _outer_built(tx, schedule, inner, section.offload)
+
+
+def _inner_stats(opt_state) -> dict:
+  """The statistics of the inner method (whichever it is)."""
+  stats = {}
+  for spec in REGISTRY.values():
+    if not spec.per_replica:
+      stats.update(spec.stats(opt_state))
+  return stats
+
+
+register(MethodSpec('diloco', _build_diloco, section=DiLoCoConfig,
+                    per_replica=True, stats=_inner_stats,
+                    summary='DiLoCo: an inner method per replica group, an '
+                    'outer Nesterov step every sync_every steps'))
+register(MethodSpec('pier', _build_pier, section=PierConfig,
+                    per_replica=True, stats=_inner_stats,
+                    summary='Pier: DiLoCo with a lazy start, momentum warmup '
+                    'and decay, an outer lr schedule and host offload'))

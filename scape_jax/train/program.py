@@ -38,6 +38,7 @@ class Program:
   abstract_opt: Any  # global view, with shardings
   opt_specs: Any  # one group's PartitionSpecs of the optimizer state
   load_params: Any = None  # () -> host params of model.init_from, or None
+  opt_memory_kinds: Any = None  # their memory kinds; None: device memory
 
   @property
   def mesh(self) -> jax.sharding.Mesh:
@@ -60,7 +61,7 @@ class Program:
   def state_shardings(self) -> tuple:
     """(params, opt_state) shardings of the global view."""
     return (self.layout.shardings(self.layout.param_specs),
-            self.layout.shardings(self.opt_specs))
+            self.layout.shardings(self.opt_specs, self.opt_memory_kinds))
 
   def init_state(self) -> tuple:
     """(params, opt_state) of a new run, placed by `state_shardings`."""
@@ -163,8 +164,8 @@ def _hf_loader(cfg: Config, model_cfg, group_params):
   return load
 
 
-def _layout(cfg: Config, spec: methods.MethodSpec, mesh, abstract_state,
-            abstract_params) -> sharding.Layout:
+def _layout(cfg: Config, spec: methods.MethodSpec, mesh, devices,
+            abstract_state, abstract_params) -> sharding.Layout:
   fsdp = sharding.mesh.axis_size(mesh, sharding.FSDP)
   if fsdp > 1 and not spec.supports_fsdp:
     allowed = [n for n, s in methods.REGISTRY.items() if s.supports_fsdp]
@@ -172,6 +173,13 @@ def _layout(cfg: Config, spec: methods.MethodSpec, mesh, abstract_state,
                       f'not run on the fsdp layout; methods that do: '
                       f'{", ".join(allowed)}.')
   axes = nnx.to_pure_dict(models.logical_axes(abstract_state))
+  if spec.per_replica and mesh.size != len(devices):
+    shape = ' x '.join(f'mesh.{k}={v}' for k, v in mesh.shape.items())
+    raise ConfigError(
+        f'{shape} = {mesh.size} devices, but {len(devices)} are in use: '
+        f'optimizer.name={spec.name!r} splits every device into replica '
+        'groups; set mesh.replica x mesh.data (x mesh.fsdp) to the device '
+        'count, or mesh.data=-1.')
   try:
     specs = sharding.param_partition_specs(abstract_params, axes, fsdp=fsdp)
     return sharding.Layout(mesh, specs, per_replica=spec.per_replica)
@@ -207,7 +215,8 @@ def build_program(cfg: Config, devices=None) -> Program:
 
   group_params = nnx.to_pure_dict(abstract_state)
   spec = methods.get(cfg.optimizer.name)
-  layout = _layout(cfg, spec, mesh, abstract_state, group_params)
+  layout = _layout(cfg, spec, mesh, devices or jax.devices(), abstract_state,
+                   group_params)
   _check_batch(cfg, layout)
   method = methods.build(cfg.optimizer, cfg.steps,
                          methods.Context(sharding.DATA, fsdp=layout.fsdp > 1))
@@ -216,13 +225,19 @@ def build_program(cfg: Config, devices=None) -> Program:
   opt_specs = sharding.state_partition_specs(
       opt_shapes, sharding.DATA, params=group_params,
       param_specs=layout.param_specs)
+  kinds = method.memory_kinds(opt_shapes) if method.memory_kinds else None
+  try:
+    o_shard = layout.shardings(opt_specs, kinds)
+  except ValueError as e:
+    raise ConfigError(f'optimizer.{spec.name}.offload: {e} Set '
+                      f'optimizer.{spec.name}.offload=False to keep the '
+                      'state in device memory.') from e
   leading = layout.replicas if layout.per_replica else None
-  p_shard, o_shard = (layout.shardings(layout.param_specs),
-                      layout.shardings(opt_specs))
+  p_shard = layout.shardings(layout.param_specs)
   return Program(cfg, layout, model_cfg, method, apply_fn, init_params,
                  _abstract(group_params, p_shard, leading),
                  _abstract(opt_shapes, o_shard, leading), opt_specs,
-                 _hf_loader(cfg, model_cfg, group_params))
+                 _hf_loader(cfg, model_cfg, group_params), kinds)
 
 
 def param_count(program: Program) -> int:
