@@ -28,7 +28,7 @@ from scape_jax.data import prepare
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = REPO / 'train.py'
 STEPS = 4
-TIMEOUT_S = 120  # per run (all of its processes together)
+TIMEOUT_S = 400  # per run (all of its processes together); a hang guard, generous for a loaded machine
 # Cuts the XLA:CPU compile time of each run about in half; both runs use it.
 FAST_COMPILE = ('--xla_backend_optimization_level=0 '
                 '--xla_llvm_disable_expensive_passes=true')

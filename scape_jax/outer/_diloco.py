@@ -42,7 +42,7 @@ import optax
 
 from scape_jax.comm.collectives import varying
 from scape_jax.optim._common import ScalarOrSchedule
-from scape_jax.sharding.mesh import REPLICA
+from scape_jax.comm.axes import REPLICA
 
 INNER, SYNC, LAZY, LAZY_SYNC, SWITCH = PHASES = (
     'inner', 'sync', 'lazy', 'lazy_sync', 'switch')

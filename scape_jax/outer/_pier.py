@@ -26,7 +26,7 @@ import optax
 
 from scape_jax.optim._common import ScalarOrSchedule
 from scape_jax.outer import _diloco
-from scape_jax.sharding.mesh import REPLICA
+from scape_jax.comm.axes import REPLICA
 
 LAZY_START = 0.1  # p: fraction of the run that is the lazy start.
 WARMUP_MOMENTUM = 0.9  # mu0 of the momentum warmup (Algorithm 1).
