@@ -1,0 +1,135 @@
+"""bench/network.py and bench/netlab.py: train.py across network namespaces.
+
+Two workers, each in its own network namespace, train llama-tiny with AdamW
+for a few steps as one jax.distributed job (gloo) over links shaped to
+100 Mb/s with tbf. The bytes the kernel counted on each worker's link must
+match the bytes the compiled step's HLO predicts, and nothing may be left
+behind: not on success, not on an exception, not on SIGTERM, and a SIGKILLed
+owner's namespaces are removed by the next cluster.
+
+These need root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2; where
+namespaces cannot be created they are skipped with the reason. The refusal
+without privileges is tested everywhere.
+"""
+
+import importlib
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / 'bench'))
+netlab = importlib.import_module('netlab')
+network = importlib.import_module('network')
+
+STEPS, WARMUP = 6, 2
+# Cuts each worker's XLA:CPU compile time about in half.
+FAST_COMPILE = ('--xla_backend_optimization_level=0 '
+                '--xla_llvm_disable_expensive_passes=true')
+# Counted TCP payload vs the HLO's bytes: the acceptance's 10%, and a floor
+# for the interpolation of the counters at the window's ends.
+TOLERANCE, FLOOR = 0.10, 0.97
+
+
+@pytest.fixture(scope='module')
+def namespaces():
+  """Skips the test, with the reason, where namespaces cannot be created."""
+  try:
+    netlab.require_privileges()
+    with netlab.Cluster(1, prefix='scapeprobe'):
+      pass
+  except (netlab.NetlabError, OSError) as e:
+    pytest.skip(f'network namespaces unavailable: {e}')
+
+
+def _ours(tag: str) -> list:
+  """Namespaces and /etc/netns folders whose names start with `tag`."""
+  found = [n for n in netlab._namespaces() if n.startswith(tag)]
+  if os.path.isdir('/etc/netns'):
+    found += [f'/etc/netns/{n}' for n in os.listdir('/etc/netns')
+              if n.startswith(tag)]
+  return found
+
+
+def test_refuses_without_privileges(monkeypatch, capsys):
+  monkeypatch.setattr(netlab, '_effective_caps', lambda: 0)
+  monkeypatch.setattr(netlab, '_tool', lambda name: name)  # iproute2 or not
+  with pytest.raises(netlab.NetlabError, match='CAP_NET_ADMIN and '
+                     'CAP_SYS_ADMIN.*sudo make bench-network'):
+    netlab.require_privileges()
+  assert network.main(['--workers', '2']) == 2
+  err = capsys.readouterr().err
+  assert err.startswith('error: ') and 'Nothing was created' in err
+  with pytest.raises(netlab.NetlabError, match='CAP_NET_ADMIN'):
+    netlab.Cluster(2).create()  # refuses before creating anything
+
+
+def test_two_workers_over_a_shaped_link(namespaces, tmp_path):
+  args = network.parse_args([
+      '--workers', '2', '--steps', str(STEPS), '--warmup', str(WARMUP),
+      '--set', 'model.preset=llama-tiny', 'data.seq_len=32',
+      '--run-dir', str(tmp_path), '--xla-flags', FAST_COMPILE,
+      '--job-timeout', '120'])
+  args.data_dir = network.prepare_data(args.run_dir)
+  args.env = network.worker_env(args.xla_flags)
+  with netlab.Cluster(2) as cluster:
+    tag = cluster.tag
+    assert cluster.shape(netlab.Link('test', 100.0)) is True
+    job = network.run_cluster_job(cluster, 'AdamW', network.METHODS['AdamW'],
+                                  'test', args, 29501)
+    pids = [p.pid for p in cluster._procs]
+  # Training ran across the namespaces: every step logged, the model moved.
+  metrics = job['metrics']
+  assert sorted(metrics) == list(range(1, STEPS + 1))
+  losses = [metrics[s]['loss'] for s in sorted(metrics)]
+  assert np.all(np.isfinite(losses)) and losses[-1] != losses[0], losses
+  assert [q['kinds'] for q in job['qdisc']] == ['tbf', 'tbf']
+  # The kernel's counts against the HLO's bytes (one dense ring all-reduce).
+  hlo = job['hlo_bytes']
+  assert hlo > 0 and [c.kind for c in job['collectives']] == ['all-reduce']
+  for i, w in enumerate(job['per_worker']):
+    assert FLOOR * hlo <= w['payload'] <= (1 + TOLERANCE) * hlo, (i, w, hlo)
+    headers = w['tx_bytes'] - w['payload']
+    assert headers == pytest.approx(netlab.HEADER_BYTES * w['tx_frames'])
+    assert w['tx_frames'] >= hlo / 1448  # at most one MSS per frame
+  sent = [w['tx_bytes'] for w in job['per_worker']]
+  received = [w['rx_bytes'] for w in job['per_worker']]
+  np.testing.assert_allclose(received, sent[::-1], rtol=0.01)  # 0 <-> 1
+  # Nothing left: namespaces, their /etc/netns files, processes.
+  assert not _ours(tag)
+  for pid in pids:
+    with pytest.raises(ProcessLookupError):
+      os.kill(pid, 0)
+
+
+def test_cleanup_on_exception_sigterm_and_after_sigkill(namespaces):
+  with pytest.raises(RuntimeError, match='boom'):
+    with netlab.Cluster(2) as cluster:
+      tag = cluster.tag
+      assert len(_ours(tag)) == 3 + 2  # 3 namespaces, 2 hosts folders
+      raise RuntimeError('boom')
+  assert not _ours(tag)
+
+  holder = (
+      'import sys, time; sys.path.insert(0, sys.argv[1]); import netlab\n'
+      'with netlab.signals_raise(), netlab.Cluster(2) as c:\n'
+      '  print(c.tag, flush=True); time.sleep(60)\n')
+  for sig in (signal.SIGTERM, signal.SIGKILL):
+    proc = subprocess.Popen([sys.executable, '-c', holder, str(REPO / 'bench')],
+                            stdout=subprocess.PIPE, text=True)
+    tag = proc.stdout.readline().strip()
+    assert tag and len(_ours(tag)) == 5, tag
+    proc.send_signal(sig)
+    proc.wait(timeout=30)
+    if sig == signal.SIGKILL:  # the owner could not clean up: the next does
+      assert len(_ours(tag)) == 5
+      deadline = time.monotonic() + 10
+      while not netlab.cleanup_stale() and time.monotonic() < deadline:
+        time.sleep(0.1)  # until the kernel has reaped the owner
+    assert not _ours(tag), (sig, _ours(tag))
