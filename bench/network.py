@@ -31,6 +31,11 @@ What is measured, per (method, link):
   for this link: the HLO's collectives, the link's measured round-trip time
   and bulk goodput, and the reference step as compute.
 
+Every job leaves its raw measurements under `--run-dir` (metrics.jsonl,
+counters.txt, worker logs, qdisc.json; link.json per link), and the report
+is computed from those files: `--report-only` rewrites it without running
+anything (and without root).
+
 Writes `--out`/network.{csv,md,png} (default docs/bench/). Needs root (or
 CAP_NET_ADMIN + CAP_SYS_ADMIN); refuses to start otherwise. Everything it
 creates is removed on success, failure, Ctrl-C or SIGTERM; leftovers of a
@@ -39,6 +44,7 @@ cleanup`). It sends nothing outside the 10.200.0.0/24 network it creates.
 """
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -68,6 +74,7 @@ METHODS = {
                      'optimizer.scape.density': 0.01},
 }
 BASELINE = 'AdamS'  # speed-ups are relative to this method on the same link
+REFERENCE_LINK = 'none (N=1)'  # the no-communication runs' place in tables
 
 PROFILES = {p.name: p for p in (
     netlab.Link('unlimited', None, 0.0),
@@ -247,6 +254,7 @@ def kernel_bytes(samples_path: str, t0: float, t1: float, steps: int) -> list:
 
 
 def summarize_job(out_dir: str, warmup: int) -> dict:
+  """Step times, HLO bytes and loss from one run's metrics.jsonl."""
   metrics = read_metrics(out_dir)
   times = step_times(metrics, warmup)
   last = max(metrics)
@@ -258,53 +266,91 @@ def summarize_job(out_dir: str, warmup: int) -> dict:
           'final_loss': metrics[last]['loss']}
 
 
+def read_job(out_dir: str, warmup: int) -> dict:
+  """Everything a cluster job measured, read back from its directory."""
+  job = summarize_job(out_dir, warmup)
+  job['per_worker'] = kernel_bytes(os.path.join(out_dir, 'counters.txt'),
+                                   job['t0'], job['t1'],
+                                   job['last'] - warmup)
+  job['collectives'] = hlo_collectives(os.path.join(out_dir, 'worker0.log'))
+  with open(os.path.join(out_dir, 'qdisc.json')) as f:
+    job['qdisc'] = json.load(f)
+  return job
+
+
+def read_reference(root: str, warmup: int) -> dict:
+  """The median over the N=1 copies of their median step."""
+  copies = [summarize_job(os.path.join(root, d), warmup)
+            for d in sorted(os.listdir(root)) if d.startswith('copy')]
+  return {'step_s': statistics.median(c['step_s'] for c in copies),
+          'step_s_min': min(c['step_s'] for c in copies),
+          'step_s_max': max(c['step_s'] for c in copies),
+          'timed_steps': copies[0]['timed_steps'],
+          'final_loss': copies[0]['final_loss']}
+
+
 # ----------------------------------------------------------------------------
-# One job per (method, link), and the N=1 reference.
+# One job per (method, link), and the N=1 reference. Each leaves its raw
+# measurements in its directory under --run-dir; `collect` reads them back.
+
+
+def _timeout(args) -> float:
+  """Seconds a job may take: --job-timeout, within what --max-minutes leaves."""
+  left = args.max_minutes * 60 - (time.monotonic() - args.start)
+  if left < 60:
+    raise JobError(f'skipped: --max-minutes {args.max_minutes:g} reached')
+  return min(args.job_timeout, left)
+
+
+def _job_dir(args, link_name: str, label: str) -> str:
+  return os.path.join(args.run_dir, link_name, _slug(label))
+
+
+def _reference_dir(args, label: str) -> str:
+  return os.path.join(args.run_dir, 'reference', _slug(label))
 
 
 def run_cluster_job(cluster: netlab.Cluster, label: str, method: dict,
                     link_name: str, args, port: int) -> dict:
   """Trains `method` as one N-process job over the cluster's current links."""
   n = cluster.n
-  out_dir = os.path.join(args.run_dir, link_name, _slug(label))
+  out_dir = _job_dir(args, link_name, label)
   shutil.rmtree(out_dir, ignore_errors=True)
   os.makedirs(out_dir)
   over = job_overrides(method, args.shared, n, args.per_worker_batch,
                        args.steps, args.data_dir, out_dir)
-  samples = os.path.join(out_dir, 'counters.txt')
-  sampler = cluster.start_sampler(samples, SAMPLE_INTERVAL_S)
+  sampler = cluster.start_sampler(os.path.join(out_dir, 'counters.txt'),
+                                  SAMPLE_INTERVAL_S)
   try:
-    logs = launch(cluster, [over] * n, [out_dir] * n, args.env,
-                  args.job_timeout, f'{cluster.address(0)}:{port}')
+    launch(cluster, [over] * n, [out_dir] * n, args.env, _timeout(args),
+           f'{cluster.address(0)}:{port}')
+  except JobError as e:
+    with open(os.path.join(out_dir, 'FAILED'), 'w') as f:
+      f.write(str(e))
+    raise
   finally:
     os.killpg(sampler.pid, signal.SIGTERM)
     sampler.wait(timeout=10)
-  job = summarize_job(out_dir, args.warmup)
-  per_worker = kernel_bytes(samples, job['t0'], job['t1'],
-                            job['last'] - args.warmup)
-  job.update(collectives=hlo_collectives(logs[0]), per_worker=per_worker,
-             qdisc=cluster.qdisc_stats())
-  shutil.rmtree(os.path.join(out_dir, 'ckpt'), ignore_errors=True)
-  return job
+    shutil.rmtree(os.path.join(out_dir, 'ckpt'), ignore_errors=True)
+  with open(os.path.join(out_dir, 'qdisc.json'), 'w') as f:
+    json.dump(cluster.qdisc_stats(), f)
+  return read_job(out_dir, args.warmup)
 
 
 def run_reference(cluster: netlab.Cluster, label: str, method: dict,
                   args) -> dict:
   """N independent N=1 runs at once: the step without communication."""
-  n = cluster.n
-  root = os.path.join(args.run_dir, 'reference', _slug(label))
+  root = _reference_dir(args, label)
   shutil.rmtree(root, ignore_errors=True)
-  dirs = [os.path.join(root, f'copy{i}') for i in range(n)]
+  dirs = [os.path.join(root, f'copy{i}') for i in range(cluster.n)]
   over = [job_overrides(method, args.shared, 1, args.per_worker_batch,
                         args.steps, args.data_dir, d) for d in dirs]
-  launch(cluster, over, dirs, args.env, args.job_timeout, None)
-  copies = [summarize_job(d, args.warmup) for d in dirs]
-  for d in dirs:
-    shutil.rmtree(os.path.join(d, 'ckpt'), ignore_errors=True)
-  return {'step_s': statistics.median(c['step_s'] for c in copies),
-          'step_s_min': min(c['step_s'] for c in copies),
-          'step_s_max': max(c['step_s'] for c in copies),
-          'final_loss': copies[0]['final_loss']}
+  try:
+    launch(cluster, over, dirs, args.env, _timeout(args), None)
+  finally:
+    for d in dirs:
+      shutil.rmtree(os.path.join(d, 'ckpt'), ignore_errors=True)
+  return read_reference(root, args.warmup)
 
 
 def _slug(label: str) -> str:
@@ -326,8 +372,8 @@ def parse_args(argv=None):
                  choices=list(METHODS))
   p.add_argument('--per-worker-batch', type=int, default=1,
                  help='sequences per worker per step (seq_len 128)')
-  p.add_argument('--steps', type=int, default=14)
-  p.add_argument('--warmup', type=int, default=4,
+  p.add_argument('--steps', type=int, default=12)
+  p.add_argument('--warmup', type=int, default=3,
                  help='steps left out of the timing and the byte count')
   p.add_argument('--set', nargs='*', default=[], metavar='KEY=VALUE',
                  help='change a shared config key for every run')
@@ -338,12 +384,19 @@ def parse_args(argv=None):
                  '(no sch_netem) instead of running rate-only')
   p.add_argument('--job-timeout', type=float, default=900.0,
                  help='seconds per job before it is killed')
+  p.add_argument('--max-minutes', type=float, default=45.0,
+                 help='the whole run\'s limit: a job is cut at it, later ones '
+                 'are skipped and reported as such')
   p.add_argument('--run-dir', default=os.path.join(ROOT, 'runs', 'network'))
   p.add_argument('--out', default=os.path.join(ROOT, 'docs', 'bench'))
   p.add_argument('--xla-flags', default='', help='XLA_FLAGS for the workers')
+  p.add_argument('--report-only', action='store_true',
+                 help='rewrite the report from the files in --run-dir '
+                 '(no root needed)')
   args = p.parse_args(argv)
   if args.steps <= args.warmup + 1:
     p.error(f'--steps {args.steps} must exceed --warmup {args.warmup} + 1')
+  args.start = time.monotonic()  # --max-minutes counts from here
   args.shared = dict(SHARED)
   for item in args.set:
     key, sep, value = item.partition('=')
@@ -362,9 +415,8 @@ def prepare_data(run_dir: str) -> str:
   return path
 
 
-def run_all(args) -> dict:
-  """Every (link, method) job and the references; returns the raw results."""
-  results = {'links': {}, 'jobs': {}, 'reference': {}, 'failed': {}}
+def run_all(args) -> None:
+  """Runs every reference and (link, method) job; each writes its files."""
   with netlab.Cluster(args.workers) as cluster:
     if not cluster.netem:
       msg = ('this kernel has no sch_netem (CONFIG_NET_SCH_NETEM): links get '
@@ -373,64 +425,107 @@ def run_all(args) -> dict:
                                     args.profiles):
         raise netlab.NetlabError(msg + ' (--require-delay)')
       print(f'warning: {msg}', flush=True)
-    results['netem'] = cluster.netem
     port = 29500
     if not args.no_reference:
       cluster.shape(PROFILES['unlimited'])
       for label in args.methods:
-        print(f'[reference N=1 x{cluster.n}] {label}', flush=True)
-        results['reference'][label] = run_reference(cluster, label,
-                                                    METHODS[label], args)
+        t = time.monotonic()
+        try:
+          ref = run_reference(cluster, label, METHODS[label], args)
+        except JobError as e:
+          print(f'[no communication] {label} FAILED: {e}', flush=True)
+          continue
+        print(f'[no communication, N=1 x{cluster.n}] {label}: step '
+              f'{1e3 * ref["step_s"]:.0f} ms; {time.monotonic() - t:.0f} s',
+              flush=True)
     for name in args.profiles:
       link = PROFILES[name]
-      applied = cluster.shape(link)
-      probe = netlab.probe_link(cluster)
-      results['links'][name] = dict(probe, delay_applied=applied)
+      probe = dict(netlab.probe_link(cluster), delay_applied=cluster.shape(link))
+      os.makedirs(os.path.join(args.run_dir, name), exist_ok=True)
+      with open(os.path.join(args.run_dir, name, 'link.json'), 'w') as f:
+        json.dump(probe, f)
       print(f'[{link}] rtt {probe["rtt_ms"]:.3f} ms, goodput '
-            f'{probe["mbit"]:.0f} Mb/s, delay applied: {applied}', flush=True)
+            f'{probe["mbit"]:.0f} Mb/s, delay applied: '
+            f'{probe["delay_applied"]}', flush=True)
       for label in args.methods:
         port += 1
         t = time.monotonic()
         try:
           job = run_cluster_job(cluster, label, METHODS[label], name, args,
                                 port)
-        except JobError as e:  # report it, go on with the other jobs
+        except JobError as e:  # recorded in its directory; go on
           print(f'[{link}] {label} FAILED: {e}', flush=True)
-          results['failed'][(name, label)] = str(e)
           continue
-        results['jobs'][(name, label)] = job
         print(f'[{link}] {label}: step {1e3 * job["step_s"]:.0f} ms, '
               f'{job["hlo_bytes"] / 1e6:.3f} MB/step HLO, '
               f'{job["per_worker"][0]["payload"] / 1e6:.3f} MB/step counted '
               f'(worker 0); {time.monotonic() - t:.0f} s', flush=True)
+
+
+def collect(args) -> dict:
+  """The measurements of the selected links and methods, from --run-dir."""
+  results = {'links': {}, 'jobs': {}, 'reference': {}, 'failed': {}}
+  for label in args.methods:
+    root = _reference_dir(args, label)
+    if os.path.isdir(root) and not args.no_reference:
+      try:
+        results['reference'][label] = read_reference(root, args.warmup)
+      except (OSError, ValueError, KeyError) as e:
+        results['failed'][(REFERENCE_LINK, label)] = f'unreadable: {e!r}'
+  for name in args.profiles:
+    path = os.path.join(args.run_dir, name, 'link.json')
+    if not os.path.exists(path):
+      continue
+    with open(path) as f:
+      results['links'][name] = json.load(f)
+    for label in args.methods:
+      out_dir = _job_dir(args, name, label)
+      if os.path.exists(os.path.join(out_dir, 'FAILED')):
+        with open(os.path.join(out_dir, 'FAILED')) as f:
+          results['failed'][(name, label)] = f.read()
+      elif os.path.exists(os.path.join(out_dir, 'qdisc.json')):
+        try:
+          results['jobs'][(name, label)] = read_job(out_dir, args.warmup)
+        except (OSError, ValueError, KeyError) as e:
+          results['failed'][(name, label)] = f'unreadable: {e!r}'
+  path = os.path.join(args.run_dir, 'run.json')
+  if os.path.exists(path):
+    with open(path) as f:
+      results.update(json.load(f))
   return results
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  try:
-    netlab.require_privileges()
-  except netlab.NetlabError as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 2
-  import network_report  # pylint: disable=g-import-not-at-top
-  os.makedirs(args.run_dir, exist_ok=True)
-  args.data_dir = prepare_data(args.run_dir)
-  args.env = worker_env(args.xla_flags)
-  start = time.monotonic()
-  with netlab.signals_raise():
-    try:
-      results = run_all(args)
-    except (netlab.NetlabError, JobError) as e:
-      print(f'error: {e}', file=sys.stderr)
-      return 1
-    except KeyboardInterrupt as e:
-      print(f'interrupted ({e or "SIGINT"}); cleaned up', file=sys.stderr)
-      return 130
-  results['seconds'] = time.monotonic() - start
   command = ' '.join(['python bench/network.py'] + (
       sys.argv[1:] if argv is None else list(argv)))
-  network_report.write(results, args, command, PROFILES, BASELINE)
+  import network_report  # pylint: disable=g-import-not-at-top
+  if not args.report_only:
+    try:
+      netlab.require_privileges()
+    except netlab.NetlabError as e:
+      print(f'error: {e}', file=sys.stderr)
+      return 2
+    os.makedirs(args.run_dir, exist_ok=True)
+    args.data_dir = prepare_data(args.run_dir)
+    args.env = worker_env(args.xla_flags)
+    start = args.start
+    with netlab.signals_raise():
+      try:
+        run_all(args)
+      except netlab.NetlabError as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 1
+      except KeyboardInterrupt as e:
+        print(f'interrupted ({e or "SIGINT"}); cleaned up', file=sys.stderr)
+        return 130
+    with open(os.path.join(args.run_dir, 'run.json'), 'w') as f:
+      json.dump({'seconds': time.monotonic() - start, 'command': command}, f)
+  results = collect(args)
+  if not results['jobs'] and not results['reference']:
+    print(f'error: no measurements in {args.run_dir}', file=sys.stderr)
+    return 1
+  network_report.write(results, args, PROFILES, BASELINE)
   return 1 if results['failed'] else 0
 
 
