@@ -114,8 +114,9 @@ def require_privileges() -> None:
     raise NetlabError(
         f'creating network namespaces, veth links and tc qdiscs needs '
         f'{" and ".join(missing)} (uid {os.geteuid()} does not have '
-        f'{"them" if len(missing) > 1 else "it"}). Run as root, e.g. '
-        '`sudo make bench-network`. Nothing was created.')
+        f'{"them" if len(missing) > 1 else "it"}). Run it as root with this '
+        f'Python, e.g. `sudo {sys.executable} bench/network.py` or `sudo '
+        f'make bench-network PY={sys.executable}`. Nothing was created.')
 
 
 def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:

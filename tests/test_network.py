@@ -61,7 +61,7 @@ def test_refuses_without_privileges(monkeypatch, capsys):
   monkeypatch.setattr(netlab, '_effective_caps', lambda: 0)
   monkeypatch.setattr(netlab, '_tool', lambda name: name)  # iproute2 or not
   with pytest.raises(netlab.NetlabError, match='CAP_NET_ADMIN and '
-                     'CAP_SYS_ADMIN.*sudo make bench-network'):
+                     'CAP_SYS_ADMIN.*sudo .*bench-network'):
     netlab.require_privileges()
   assert network.main(['--workers', '2']) == 2
   err = capsys.readouterr().err
@@ -133,3 +133,83 @@ def test_cleanup_on_exception_sigterm_and_after_sigkill(namespaces):
       while not netlab.cleanup_stale() and time.monotonic() < deadline:
         time.sleep(0.1)  # until the kernel has reaped the owner
     assert not _ours(tag), (sig, _ours(tag))
+
+
+# ----------------------------------------------------------------------------
+# The arithmetic, without namespaces (runs everywhere).
+
+
+def test_collectives_table_round_trips_through_the_log(tmp_path):
+  from scape_jax import analysis
+  cols = [analysis.Collective('all-gather', 'u32', 191480, 4, 1, 'ag.7'),
+          analysis.Collective('all-reduce', 'f32', 198138, 4, 2, 'all-reduce')]
+  log = tmp_path / 'worker0.log'
+  log.write_text('[Gloo] noise\ncollectives of the train step, per device per '
+                 f'step:\n{analysis.format_table(cols)}\nstep 1 | loss 5\n')
+  assert network.hlo_collectives(str(log)) == cols
+  (tmp_path / 'empty.log').write_text('Traceback\n')
+  with pytest.raises(ValueError, match='no collectives table'):
+    network.hlo_collectives(str(tmp_path / 'empty.log'))
+
+
+def test_kernel_bytes_interpolate_the_counters(tmp_path):
+  # Two ports; p0 sends 1000 B in 10 frames per second, p1 nothing; both
+  # counters sampled at t = 0, 1, 2, 3 s.
+  path = tmp_path / 'counters.txt'
+  lines = ['{"devices": ["p0", "p1"], "counters": '
+           '["rx_bytes", "rx_packets", "tx_bytes", "tx_packets"]}']
+  for t in range(4):
+    lines.append(f'{100 + t} {1000 * t} {10 * t} 0 0 0 0 {1000 * t} {10 * t}')
+  path.write_text('\n'.join(lines) + '\n12 3')  # a cut last line is ignored
+  got = network.kernel_bytes(str(path), 100.5, 102.5, steps=4)
+  assert got[0]['tx_bytes'] == pytest.approx(500)  # 2000 B over 4 steps
+  assert got[0]['tx_frames'] == pytest.approx(5)
+  assert got[0]['payload'] == pytest.approx(500 - 5 * netlab.HEADER_BYTES)
+  assert got[1]['tx_bytes'] == 0 and got[1]['rx_bytes'] == pytest.approx(500)
+  with pytest.raises(ValueError, match='outside the samples'):
+    network.kernel_bytes(str(path), 99.0, 102.0, steps=1)
+
+
+def test_step_times_are_differences_of_wall_times():
+  metrics = {s: {'wall_time': t} for s, t in
+             [(1, 10.0), (2, 11.5), (3, 12.0), (4, 14.0), (5, 15.0)]}
+  assert network.step_times(metrics, warmup=2) == [0.5, 2.0, 1.0]
+  with pytest.raises(ValueError, match='need more than --warmup 5'):
+    network.step_times(metrics, warmup=5)
+
+
+def test_report_verdicts(tmp_path):
+  report = importlib.import_module('network_report')
+  args = network.parse_args(['--run-dir', str(tmp_path),
+                             '--out', str(tmp_path / 'out')])
+  from scape_jax import analysis
+  dense = [analysis.Collective('all-reduce', 'f32', 1000, 4, 1, 'ar')]
+
+  def job(step_s, hlo, payload):
+    return {'step_s': step_s, 'step_s_min': step_s, 'step_s_max': step_s,
+            'timed_steps': 9, 'hlo_bytes': hlo, 'final_loss': 5.0,
+            'collectives': dense, 'qdisc': [{'drops': 0}] * 4,
+            'per_worker': [{'tx_bytes': payload + 66, 'tx_frames': 1,
+                            'payload': payload, 'rx_bytes': payload}] * 4}
+
+  probe = {'rtt_ms': 0.1, 'mbit': 95.0, 'delay_applied': False}
+  results = {
+      'links': {'100mbit': probe},
+      'jobs': {('100mbit', 'AdamS'): job(10.0, 6000, 6100),
+               ('100mbit', 'SCAPE d=0.01'): job(2.0, 100, 30_000)},
+      'reference': {'AdamS': {'step_s': 1.0, 'step_s_min': 1.0,
+                              'step_s_max': 1.0, 'timed_steps': 9,
+                              'final_loss': 5.0}},
+      'failed': {}, 'seconds': 60.0, 'command': 'python bench/network.py'}
+  rows = report.build_rows(results, args, network.PROFILES, 'AdamS')
+  sparse = report._find(rows, '100mbit', 'SCAPE d=0.01')
+  assert sparse['speedup_vs_baseline'] == pytest.approx(5.0)
+  assert sparse['vs_nocomm'] == pytest.approx(2.0)
+  text = '\n'.join(report.acceptance(rows, 'AdamS'))
+  assert '5.00x per step (needs >= 4x): **met**' in text
+  assert '2.00x (needs <= 1.3x): **not met**' in text
+  # 29.9 kB over 100 B of HLO: beyond 10% + 16 kB of framing.
+  assert '**not met** (not by: SCAPE d=0.01 100mbit)' in text
+  report.write(results, args, network.PROFILES, 'AdamS')
+  for ext in ('csv', 'md', 'png'):
+    assert (tmp_path / 'out' / f'network.{ext}').stat().st_size > 0
