@@ -1,4 +1,4 @@
-"""A small cluster of Linux network namespaces on one machine, with shaped links.
+"""A small cluster of network namespaces on one machine, with shaped links.
 
 Used by bench/network.py and tests/test_network.py. Topology, for N workers
 (every name carries a prefix and the owner's pid, `scapenet-<pid>-...`)::
@@ -102,7 +102,7 @@ def _effective_caps() -> int:
 
 
 def require_privileges() -> None:
-  """Raises NetlabError, saying what is missing, unless namespaces can be made."""
+  """Raises NetlabError, naming what is missing, if namespaces are denied."""
   if not sys.platform.startswith('linux'):
     raise NetlabError(f'network namespaces need Linux, not {sys.platform}.')
   _tool('ip'), _tool('tc')
@@ -119,7 +119,8 @@ def require_privileges() -> None:
         f'make bench-network PY={sys.executable}`. Nothing was created.')
 
 
-def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+def _run(argv: Sequence[str],
+         check: bool = True) -> subprocess.CompletedProcess:
   argv = [_tool(argv[0]), *argv[1:]] if argv[0] in ('ip', 'tc') else argv
   proc = subprocess.run(argv, capture_output=True, text=True,
                         timeout=_CMD_TIMEOUT_S, check=False)
@@ -164,7 +165,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _delete_namespace(name: str) -> None:
-  """Kills the processes inside `name` (by pid), deletes it and its /etc files."""
+  """Kills the processes inside `name` (by pid); deletes it and its files."""
   pids = _run(['ip', 'netns', 'pids', name], check=False).stdout.split()
   for pid in pids:
     try:
@@ -362,8 +363,8 @@ class Cluster:
     out = []
     for i in range(self.n):
       s = by_name[f'p{i}']
-      out.append({'rx_bytes': s['rx']['bytes'], 'rx_packets': s['rx']['packets'],
-                  'tx_bytes': s['tx']['bytes'], 'tx_packets': s['tx']['packets']})
+      out.append({f'{way}_{unit}': s[way][unit] for way in ('rx', 'tx')
+                  for unit in ('bytes', 'packets')})
     return out
 
   def start_sampler(self, path: str, interval_s: float) -> subprocess.Popen:

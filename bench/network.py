@@ -59,6 +59,7 @@ sys.path[:0] = [p for p in (ROOT, os.path.join(ROOT, 'bench'))
                 if p not in sys.path]
 
 import netlab  # noqa: E402  pylint: disable=g-import-not-at-top
+import network_report  # noqa: E402  pylint: disable=g-import-not-at-top
 
 TRAIN = os.path.join(ROOT, 'train.py')
 
@@ -74,7 +75,6 @@ METHODS = {
                      'optimizer.scape.density': 0.01},
 }
 BASELINE = 'AdamS'  # speed-ups are relative to this method on the same link
-REFERENCE_LINK = 'none (N=1)'  # the no-communication runs' place in tables
 
 PROFILES = {p.name: p for p in (
     netlab.Link('unlimited', None, 0.0),
@@ -126,9 +126,9 @@ def config_args(overrides: dict) -> list:
 
 def job_overrides(method: dict, shared: dict, workers: int, batch: int,
                   steps: int, data_dir: str, out_dir: str) -> dict:
-  return dict(shared, **method, **{
-      'data.corpus': data_dir, 'data.batch_size': batch * workers,
-      'mesh.data': workers, 'steps': steps, 'out_dir': out_dir})
+  return {**shared, **method, 'data.corpus': data_dir,
+          'data.batch_size': batch * workers, 'mesh.data': workers,
+          'steps': steps, 'out_dir': out_dir}
 
 
 def _raised(log: str) -> bool:
@@ -204,9 +204,10 @@ def launch(cluster: netlab.Cluster, overrides: list, out_dirs: list,
 
 def read_metrics(out_dir: str) -> dict:
   """{step: train record} from the job's metrics.jsonl."""
-  from scape_jax.train.metrics import read_jsonl  # pylint: disable=g-import-not-at-top
+  from scape_jax.train import metrics  # pylint: disable=g-import-not-at-top
   path = os.path.join(out_dir, 'metrics.jsonl')
-  return {r['step']: r for r in read_jsonl(path) if r['split'] == 'train'}
+  return {r['step']: r for r in metrics.read_jsonl(path)
+          if r['split'] == 'train'}
 
 
 def step_times(metrics: dict, warmup: int) -> list:
@@ -239,7 +240,8 @@ def hlo_collectives(log_path: str) -> list:
 
 
 def kernel_bytes(samples_path: str, t0: float, t1: float, steps: int) -> list:
-  """Per worker, per step between wall times t0 and t1: counted by the kernel."""
+  """Per worker, per step between wall times t0 and t1, as the kernel
+  counted them."""
   times, values = netlab.read_samples(samples_path)
   delta = (netlab.counters_at(times, values, t1) -
            netlab.counters_at(times, values, t0)) / steps
@@ -440,7 +442,8 @@ def run_all(args) -> None:
               flush=True)
     for name in args.profiles:
       link = PROFILES[name]
-      probe = dict(netlab.probe_link(cluster), delay_applied=cluster.shape(link))
+      applied = cluster.shape(link)  # before the probe, which measures it
+      probe = dict(netlab.probe_link(cluster), delay_applied=applied)
       os.makedirs(os.path.join(args.run_dir, name), exist_ok=True)
       with open(os.path.join(args.run_dir, name, 'link.json'), 'w') as f:
         json.dump(probe, f)
@@ -471,7 +474,8 @@ def collect(args) -> dict:
       try:
         results['reference'][label] = read_reference(root, args.warmup)
       except (OSError, ValueError, KeyError) as e:
-        results['failed'][(REFERENCE_LINK, label)] = f'unreadable: {e!r}'
+        results['failed'][(network_report.REFERENCE, label)] = (
+            f'unreadable: {e!r}')
   for name in args.profiles:
     path = os.path.join(args.run_dir, name, 'link.json')
     if not os.path.exists(path):
@@ -499,7 +503,6 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   command = ' '.join(['python bench/network.py'] + (
       sys.argv[1:] if argv is None else list(argv)))
-  import network_report  # pylint: disable=g-import-not-at-top
   if not args.report_only:
     try:
       netlab.require_privileges()

@@ -31,8 +31,7 @@ FIELDS = (
     'qdisc_drops', 'model_compute_ms', 'model_comm_ms', 'proj_step_ms',
     'proj_step_ms_mask_overlap', 'proj_step_ms_nominal', 'final_loss')
 FAST_LINK = 'unlimited'
-REFERENCE = 'none (N=1)'  # the `link` of the no-communication rows (as in
-                          # network.REFERENCE_LINK)
+REFERENCE = 'none (N=1)'  # the `link` of the no-communication rows
 
 
 def _collective_dicts(cols) -> list:
@@ -116,7 +115,8 @@ def job_row(link: netlab.Link, probe: dict, label: str, job: dict,
       'model_compute_ms': 1e3 * compute_s,
       'model_comm_ms': 1e3 * comm_model_s(job['collectives'], probe['mbit'],
                                           one_way_ms),
-      'proj_step_ms': 1e3 * proj, 'proj_step_ms_mask_overlap': 1e3 * proj_overlap,
+      'proj_step_ms': 1e3 * proj,
+      'proj_step_ms_mask_overlap': 1e3 * proj_overlap,
       'proj_step_ms_nominal': 1e3 * _nominal_s(link, probe, job['collectives'],
                                                compute_s),
       'final_loss': job['final_loss']}
@@ -281,9 +281,10 @@ def markdown(rows: list, results: dict, args, baseline: str) -> str:
   lines = _intro(results, args, baseline)
   for name, probe in links.items():
     r = next(x for x in rows if x['link'] == name)
+    applied = 'yes' if probe['delay_applied'] else '**no** (no sch_netem)'
     lines.append(f'| {name} | {r["rate_mbit"] or "none"} | {r["delay_ms"]:g} '
-                 f'ms | {"yes" if probe["delay_applied"] else "**no** (no sch_netem)"}'
-                 f' | {probe["rtt_ms"]:.3f} | {probe["mbit"]:,.0f} |')
+                 f'ms | {applied} | {probe["rtt_ms"]:.3f} | '
+                 f'{probe["mbit"]:,.0f} |')
   lines += ['', '## Step time', '',
             f'| link | method | step ms (median) | min-max | vs no-comm. step '
             f'| speed-up vs {baseline} | alpha-beta ms | alpha-beta, link as '
@@ -293,7 +294,8 @@ def markdown(rows: list, results: dict, args, baseline: str) -> str:
         f'| {r["link"]} | {r["method"]} | {_fmt(r["step_ms"], 0)} | '
         f'{_fmt(r["step_ms_min"], 0)}-{_fmt(r["step_ms_max"], 0)} | '
         f'{_fmt(r["vs_nocomm"], 2)} | {_fmt(r["speedup_vs_baseline"], 2)} | '
-        f'{_fmt(r["proj_step_ms"], 0)} | {_fmt(r["proj_step_ms_nominal"], 0)} |')
+        f'{_fmt(r["proj_step_ms"], 0)} | '
+        f'{_fmt(r["proj_step_ms_nominal"], 0)} |')
   lines += ['', '## Bytes per worker per step', '',
             '| link | method | HLO (trainer) | kernel, on the wire | frames | '
             'kernel, TCP payload | payload vs HLO | qdisc drops |',
