@@ -17,7 +17,9 @@ What runs (bench/netlab.py builds the network):
 * The no-communication reference: the same method, the same per-worker batch,
   N=1, run as N independent single-process copies at once (one per
   namespace), so that each copy gets the same share of this machine's cores
-  as a worker of the N-process job.
+  as a worker of the N-process job. And the N-worker step without a network:
+  one process with N simulated CPU devices, collectives in memory, the same
+  per-worker work (SCAPE's top-k over 1/N of each leaf) as the job.
 
 What is measured, per (method, link):
 * the median step time over the steps after `--warmup`, from the
@@ -355,6 +357,29 @@ def run_reference(cluster: netlab.Cluster, label: str, method: dict,
   return read_reference(root, args.warmup)
 
 
+def run_in_memory(cluster: netlab.Cluster, label: str, method: dict,
+                  args) -> dict:
+  """The N-worker step with no network: one process, N simulated CPU
+  devices, the collectives in memory. Same per-worker work as the job."""
+  root = _in_memory_dir(args, label)
+  shutil.rmtree(root, ignore_errors=True)
+  out_dir = os.path.join(root, 'copy0')
+  over = job_overrides(method, args.shared, cluster.n, args.per_worker_batch,
+                       args.steps, args.data_dir, out_dir)
+  env = dict(args.env, XLA_FLAGS=(
+      f'{args.env.get("XLA_FLAGS", "")} '
+      f'--xla_force_host_platform_device_count={cluster.n}').strip())
+  try:
+    launch(cluster, [over], [out_dir], env, _timeout(args), None)
+  finally:
+    shutil.rmtree(os.path.join(out_dir, 'ckpt'), ignore_errors=True)
+  return read_reference(root, args.warmup)
+
+
+def _in_memory_dir(args, label: str) -> str:
+  return os.path.join(args.run_dir, 'in_memory', _slug(label))
+
+
 def _slug(label: str) -> str:
   return label.lower().replace(' ', '_').replace('=', '').replace('.', 'p')
 
@@ -380,7 +405,7 @@ def parse_args(argv=None):
   p.add_argument('--set', nargs='*', default=[], metavar='KEY=VALUE',
                  help='change a shared config key for every run')
   p.add_argument('--no-reference', action='store_true',
-                 help='skip the N=1 no-communication runs')
+                 help='skip the N=1 and the in-memory runs')
   p.add_argument('--require-delay', action='store_true',
                  help='stop if the kernel cannot add the links\' delay '
                  '(no sch_netem) instead of running rate-only')
@@ -431,15 +456,15 @@ def run_all(args) -> None:
     if not args.no_reference:
       cluster.shape(PROFILES['unlimited'])
       for label in args.methods:
-        t = time.monotonic()
-        try:
-          ref = run_reference(cluster, label, METHODS[label], args)
-        except JobError as e:
-          print(f'[no communication] {label} FAILED: {e}', flush=True)
-          continue
-        print(f'[no communication, N=1 x{cluster.n}] {label}: step '
-              f'{1e3 * ref["step_s"]:.0f} ms; {time.monotonic() - t:.0f} s',
-              flush=True)
+        for kind, run in (('N=1', run_reference), ('in memory', run_in_memory)):
+          t = time.monotonic()
+          try:
+            ref = run(cluster, label, METHODS[label], args)
+          except JobError as e:
+            print(f'[{kind}] {label} FAILED: {e}', flush=True)
+            continue
+          print(f'[{kind}] {label}: step {1e3 * ref["step_s"]:.0f} ms; '
+                f'{time.monotonic() - t:.0f} s', flush=True)
     for name in args.profiles:
       link = PROFILES[name]
       applied = cluster.shape(link)  # before the probe, which measures it
@@ -467,15 +492,17 @@ def run_all(args) -> None:
 
 def collect(args) -> dict:
   """The measurements of the selected links and methods, from --run-dir."""
-  results = {'links': {}, 'jobs': {}, 'reference': {}, 'failed': {}}
+  results = {'links': {}, 'jobs': {}, 'reference': {}, 'in_memory': {},
+             'failed': {}}
   for label in args.methods:
-    root = _reference_dir(args, label)
-    if os.path.isdir(root) and not args.no_reference:
-      try:
-        results['reference'][label] = read_reference(root, args.warmup)
-      except (OSError, ValueError, KeyError) as e:
-        results['failed'][(network_report.REFERENCE, label)] = (
-            f'unreadable: {e!r}')
+    for key, root, name in (
+        ('reference', _reference_dir(args, label), network_report.REFERENCE),
+        ('in_memory', _in_memory_dir(args, label), network_report.IN_MEMORY)):
+      if os.path.isdir(root) and not args.no_reference:
+        try:
+          results[key][label] = read_reference(root, args.warmup)
+        except (OSError, ValueError, KeyError) as e:
+          results['failed'][(name, label)] = f'unreadable: {e!r}'
   for name in args.profiles:
     path = os.path.join(args.run_dir, name, 'link.json')
     if not os.path.exists(path):

@@ -32,6 +32,7 @@ FIELDS = (
     'proj_step_ms_mask_overlap', 'proj_step_ms_nominal', 'final_loss')
 FAST_LINK = 'unlimited'
 REFERENCE = 'none (N=1)'  # the `link` of the no-communication rows
+IN_MEMORY = 'in memory'  # ... of the N-device, one-process rows
 
 
 def _collective_dicts(cols) -> list:
@@ -122,16 +123,18 @@ def job_row(link: netlab.Link, probe: dict, label: str, job: dict,
       'final_loss': job['final_loss']}
 
 
-def reference_row(label: str, ref: dict, args, nocomm_s: float) -> dict:
+def reference_row(link: str, label: str, ref: dict, args, workers: int,
+                  nocomm_s: float) -> dict:
+  """A row of a run without a network (N=1, or N devices in one process)."""
   row = dict.fromkeys(FIELDS, '')
-  row.update(link=REFERENCE, method=label, workers=1,
+  row.update(link=link, method=label, workers=workers,
              per_worker_batch=args.per_worker_batch,
              seq_len=args.shared['data.seq_len'],
              timed_steps=ref['timed_steps'], step_ms=1e3 * ref['step_s'],
              step_ms_min=1e3 * ref['step_s_min'],
              step_ms_max=1e3 * ref['step_s_max'],
              nocomm_step_ms=1e3 * nocomm_s, vs_nocomm=ref['step_s'] / nocomm_s,
-             own_n1_step_ms=1e3 * ref['step_s'], hlo_bytes=0,
+             hlo_bytes=0,
              final_loss=ref['final_loss'])
   return row
 
@@ -144,8 +147,10 @@ def build_rows(results: dict, args, profiles: dict, baseline: str) -> list:
   for r in rows:
     r['speedup_vs_baseline'] = base.get(r['link'], math.nan) / r['step_ms']
   nocomm = results['reference'].get(baseline, {}).get('step_s', math.nan)
-  rows += [reference_row(label, ref, args, nocomm)
+  rows += [reference_row(REFERENCE, label, ref, args, 1, nocomm)
            for label, ref in results['reference'].items()]
+  rows += [reference_row(IN_MEMORY, label, ref, args, args.workers, nocomm)
+           for label, ref in results.get('in_memory', {}).items()]
   return rows
 
 
@@ -205,27 +210,30 @@ def bytes_agree(row: dict) -> bool:
 
 
 def decomposition(rows: list, baseline: str) -> list:
-  """Where SCAPE d=0.01's step on the slow link goes, from measurements:
-  the no-communication step, SCAPE's own update at this N (its fast-link
-  step minus that and minus the fast link's modelled communication), and
-  what the slow link adds over the fast one."""
+  """Where SCAPE d=0.01's step on the slow link goes, each part the
+  difference of two measured steps: compute (the no-communication step),
+  SCAPE's own update (the N-device step in memory), gloo and TCP (the
+  unlimited link) and the link's rate (the slow link)."""
   slow, fast = _find(rows, SLOW_LINK, SPARSE), _find(rows, FAST_LINK, SPARSE)
-  if not (slow and fast) or math.isnan(slow['nocomm_step_ms']):
+  local = _find(rows, IN_MEMORY, SPARSE)
+  if not (slow and fast and local) or math.isnan(slow['nocomm_step_ms']):
     return []
   nocomm = slow['nocomm_step_ms']
-  update = fast['step_ms'] - fast['model_comm_ms'] - nocomm
-  link = slow['step_ms'] - fast['step_ms']
+  n = slow['workers']
+  modelled = slow['model_comm_ms'] - fast['model_comm_ms']
   return [
-      f'  - Where its {slow["step_ms"]:.0f} ms go: {nocomm:.0f} ms forward/'
-      f'backward and a dense update ({baseline}, N=1); {update:+.0f} ms '
-      f'SCAPE\'s own update at N={slow["workers"]} (top-k, compaction, '
-      f'masks: its {FAST_LINK}-link step minus that and minus the '
-      f'{fast["model_comm_ms"]:.0f} ms its bytes take there); '
-      f'{fast["model_comm_ms"]:.0f} ms communication on the {FAST_LINK} '
-      f'link; {link:+.0f} ms more on the {SLOW_LINK} link than on the '
-      f'{FAST_LINK} one (the alpha-beta model: '
-      f'{slow["model_comm_ms"] - fast["model_comm_ms"]:+.0f} ms). Its own '
-      f'N=1 step ({slow["own_n1_step_ms"]:.0f} ms) is no reference for it: at '
+      f'  - Where its {slow["step_ms"]:.0f} ms go (each part the difference '
+      f'of two measured steps): {nocomm:.0f} ms forward/backward and a dense '
+      f'update ({baseline}, N=1, no communication); '
+      f'{local["step_ms"] - nocomm:+.0f} ms SCAPE\'s own update at N={n} '
+      f'(top-k, compaction, masks) with its collectives in memory (N={n} '
+      f'devices in one process: {local["step_ms"]:.0f} ms); '
+      f'{fast["step_ms"] - local["step_ms"]:+.0f} ms gloo and TCP on the '
+      f'{FAST_LINK} link (N={n} processes: {fast["step_ms"]:.0f} ms; the '
+      f'alpha-beta model: {fast["model_comm_ms"]:.0f} ms); '
+      f'{slow["step_ms"] - fast["step_ms"]:+.0f} ms for the {SLOW_LINK} '
+      f'link\'s rate (the alpha-beta model: {modelled:+.0f} ms). SCAPE\'s '
+      f'own N=1 step ({slow["own_n1_step_ms"]:.0f} ms) is no reference: at '
       'N=1 every top-k runs over a whole leaf, at N workers over 1/N of it.']
 
 
@@ -260,7 +268,10 @@ def _intro(results: dict, args, baseline: str) -> list:
       f'*No-communication step*: {baseline} at N=1 with the same per-worker '
       f'batch, run as {args.workers} independent copies at once so that '
       'each gets the share of the cores a worker gets. The rows '
-      f'`{REFERENCE}` give every method\'s own N=1 step.', '',
+      f'`{REFERENCE}` give every method\'s own N=1 step; the rows '
+      f'`{IN_MEMORY}` its N-worker step without a network ({args.workers} '
+      'simulated CPU devices in one process, collectives in memory, the '
+      'same per-worker work as the job).', '',
       '*Bytes*: per worker per step, the kernel\'s counters of its link '
       '(polled every 10 ms, interpolated at the first and last timed '
       f'step); TCP payload = bytes - {netlab.HEADER_BYTES} B per frame. '

@@ -192,14 +192,18 @@ def test_report_verdicts(tmp_path):
             'per_worker': [{'tx_bytes': payload + 66, 'tx_frames': 1,
                             'payload': payload, 'rx_bytes': payload}] * 4}
 
+  def ref(step_s):
+    return {'step_s': step_s, 'step_s_min': step_s, 'step_s_max': step_s,
+            'timed_steps': 9, 'final_loss': 5.0}
+
   probe = {'rtt_ms': 0.1, 'mbit': 95.0, 'delay_applied': False}
   results = {
-      'links': {'100mbit': probe},
+      'links': {'100mbit': probe, 'unlimited': dict(probe, mbit=1e9)},
       'jobs': {('100mbit', 'AdamS'): job(10.0, 6000, 6100),
-               ('100mbit', 'SCAPE d=0.01'): job(2.0, 100, 30_000)},
-      'reference': {'AdamS': {'step_s': 1.0, 'step_s_min': 1.0,
-                              'step_s_max': 1.0, 'timed_steps': 9,
-                              'final_loss': 5.0}},
+               ('100mbit', 'SCAPE d=0.01'): job(2.0, 100, 30_000),
+               ('unlimited', 'SCAPE d=0.01'): job(1.5, 100, 100)},
+      'reference': {'AdamS': ref(1.0), 'SCAPE d=0.01': ref(4.0)},
+      'in_memory': {'SCAPE d=0.01': ref(1.2)},
       'failed': {}, 'seconds': 60.0, 'command': 'python bench/network.py'}
   rows = report.build_rows(results, args, network.PROFILES, 'AdamS')
   sparse = report._find(rows, '100mbit', 'SCAPE d=0.01')
@@ -208,6 +212,10 @@ def test_report_verdicts(tmp_path):
   text = '\n'.join(report.acceptance(rows, 'AdamS'))
   assert '5.00x per step (needs >= 4x): **met**' in text
   assert '2.00x (needs <= 1.3x): **not met**' in text
+  # The parts of SCAPE's 2000 ms: 1000 + 200 (update) + 300 (gloo) + 500.
+  assert ('1000 ms forward/backward' in text and '+200 ms SCAPE\'s own '
+          'update' in text and '+300 ms gloo and TCP' in text and
+          '+500 ms for the 100mbit link\'s rate' in text), text
   # 29.9 kB over 100 B of HLO: beyond 10% + 16 kB of framing.
   assert '**not met** (not by: SCAPE d=0.01 100mbit)' in text
   report.write(results, args, network.PROFILES, 'AdamS')
