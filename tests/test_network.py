@@ -113,6 +113,15 @@ def test_cleanup_on_exception_sigterm_and_after_sigkill(namespaces):
     with netlab.Cluster(2) as cluster:
       tag = cluster.tag
       assert len(_ours(tag)) == 3 + 2  # 3 namespaces, 2 hosts folders
+      # A worker has a route to the other worker and to nothing else (a
+      # route lookup; nothing is sent).
+      route = lambda to: subprocess.run(  # noqa: E731
+          cluster.exec_argv(0, ['ip', 'route', 'get', to]),
+          capture_output=True, text=True)
+      assert route(cluster.address(1)).returncode == 0
+      outside = route('192.0.2.1')  # TEST-NET-1
+      assert outside.returncode != 0, outside.stdout
+      assert 'unreachable' in outside.stderr.lower(), outside.stderr
       raise RuntimeError('boom')
   assert not _ours(tag)
 
