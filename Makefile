@@ -3,8 +3,8 @@
 PY ?= python3
 CPU8 = JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8
 
-.PHONY: install install-hf install-eval test test-hf demo bench dry-run \
-	results eval-downstream
+.PHONY: install install-hf install-eval test test-hf demo bench \
+	bench-network dry-run results eval-downstream
 
 install:
 	$(PY) -m pip install -q -r requirements.txt
@@ -52,3 +52,9 @@ bench:
 	JAX_PLATFORMS=cpu $(PY) bench/projected_step_time.py --model llama500m --workers 32
 	JAX_PLATFORMS=cpu $(PY) bench/projected_step_time.py --model llama500m --workers 32 --effective-tflops 400 --tokens-per-worker 131072
 	JAX_PLATFORMS=cpu $(PY) bench/projected_step_time.py --model llama1.8b --workers 32 --effective-tflops 400 --tokens-per-worker 65536
+
+# Step time and kernel-counted bytes over rate-limited links: 4 train.py
+# processes in 4 network namespaces (root only; see docs/benchmarks.md for
+# the duration). Writes docs/bench/network.{csv,md,png}.
+bench-network:
+	$(PY) bench/network.py

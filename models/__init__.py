@@ -37,6 +37,11 @@ PRESETS: dict[str, Config] = {
     'llama-tiny': LlamaConfig(
         vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4,
         n_kv_heads=2, d_ff=192),
+    # 19.1M parameters, byte vocabulary: bench/network.py's model, sized so
+    # that its dense gradient exchange outlasts a CPU worker's step at 1 Gb/s.
+    'llama20m': LlamaConfig(
+        vocab_size=256, max_seq_len=128, d_model=512, n_layers=6, n_heads=8,
+        n_kv_heads=4, d_ff=1536),
     # H2O-Danube3-500M shape.
     'llama500m': LlamaConfig(
         vocab_size=32000, max_seq_len=8192, d_model=1536, n_layers=16,

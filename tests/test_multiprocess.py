@@ -35,7 +35,7 @@ FAST_COMPILE = ('--xla_backend_optimization_level=0 '
 # Variables that would change the device count or start jax.distributed on
 # their own (train.py also joins a cluster found in SLURM/Open MPI variables).
 _CLUSTER_VARS = ('SLURM_NTASKS', 'OMPI_COMM_WORLD_SIZE')
-_NOT_COMPARED = ('tokens_per_s',)  # wall-clock throughput
+_NOT_COMPARED = ('tokens_per_s', 'wall_time')  # wall-clock
 
 
 def _free_port() -> int:

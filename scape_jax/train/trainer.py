@@ -146,10 +146,11 @@ class _Reporter:
       return
     fetched = [(s, _fetch(x)) for s, x in self._pending]
     elapsed = time.perf_counter() - self._t0
+    wall_time = time.time()  # when the last pending step had finished
     tps = self._tokens_per_step * len(fetched) / max(elapsed, 1e-9)
     for s, x in fetched:
       x['lr'] = float(self._program.method.learning_rate(s - 1))
-      self.logger.log(s, dict(x, tokens_per_s=tps))
+      self.logger.log(s, dict(x, tokens_per_s=tps, wall_time=wall_time))
       self.history.append(x['loss'])
     s, x = fetched[-1]
     if self.leader:
