@@ -33,7 +33,11 @@ NODE = 'node'
 FSDP = 'fsdp'
 TENSOR = 'tensor'
 MESH_AXES = (REPLICA, DATA, NODE, FSDP, TENSOR)
-FSDP_AXES = (NODE, FSDP)  # the parameters' fsdp split spans both
+# The parameters' fsdp split spans both, 'fsdp' major and 'node' minor: the
+# shards of one node-level block sit on the same 'fsdp' index of every node,
+# so an all-gather over 'node' alone yields that contiguous block (the
+# hierarchical gather's first, inter-node, step).
+FSDP_AXES = (FSDP, NODE)
 BATCH_AXES = (REPLICA, DATA, NODE, FSDP)  # the batch dimension is split over these
 
 

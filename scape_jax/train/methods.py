@@ -27,7 +27,7 @@ import optax
 from scape_jax.comm import collectives
 from scape_jax.optim import _adams as adams_lib
 from scape_jax.optim import _scape as scape_lib
-from scape_jax.sharding.mesh import DATA, FSDP
+from scape_jax.sharding.mesh import DATA, FSDP_AXES
 
 DECAYS = ('cosine', 'constant')  # Learning-rate schedules after warmup.
 
@@ -36,7 +36,7 @@ DECAYS = ('cosine', 'constant')  # Learning-rate schedules after warmup.
 class Context:
   """What building a method needs to know about the layout."""
   axis_name: Optional[str] = DATA  # the data-parallel exchange axis
-  fsdp: bool = False  # parameters and gradients split over 'fsdp'
+  fsdp: bool = False  # parameters and gradients split over the fsdp group
 
 
 class Built(NamedTuple):
@@ -129,7 +129,7 @@ def _clip(cfg, ctx: Context) -> list:
   if cfg.clip_norm <= 0:
     return []
   return [collectives.clip_by_global_norm(cfg.clip_norm,
-                                          FSDP if ctx.fsdp else None)]
+                                          FSDP_AXES if ctx.fsdp else None)]
 
 
 def _build_adamw(cfg, section, lr, ctx) -> Built:
