@@ -138,3 +138,26 @@ def test_missing_memory_kind_names_the_kinds_there_are():
                      'unpinned_host'):
     sharding.fcdp.check_memory_kinds([Device()])
   sharding.fcdp.check_memory_kinds(jax.devices())  # the CPU has pinned_host
+
+
+def test_data_parallel_gpt_trains_only_its_adapters():
+  cfg = config_lib.load(None, [
+      '--config.model.preset=gpt-tiny', '--config.model.dtype=float32',
+      '--config.model.lora.targets=c_attn', '--config.data.seq_len=16',
+      '--config.data.batch_size=8', '--config.mesh.data=8',
+      '--config.optimizer.warmup_steps=0', '--config.optimizer.lr=1e-2'])
+  program = trainer.build_program(cfg)
+  params, opt_state = program.init_state()
+  start = jax.tree.map(np.asarray, params)
+  step = program.compile_step(0)
+  rng = np.random.default_rng(0)
+  for _ in range(2):
+    tokens = rng.integers(0, 256, size=(8, 17), dtype=np.int32)
+    batch = jax.device_put({'inputs': tokens[:, :-1],
+                            'targets': tokens[:, 1:]}, program.batch_sharding())
+    params, opt_state, _ = step(params, opt_state, batch)
+  trainable = jax.tree.leaves(program.layout.trainable)
+  assert sum(trainable) == 4  # c_attn's A and B in 2 blocks
+  for p, s, t in zip(jax.tree.leaves(params), jax.tree.leaves(start),
+                     trainable):
+    assert np.array_equal(np.asarray(p), s) != t
