@@ -203,7 +203,7 @@ def _resume_is_exact(overrides, tmp_path):
   assert resumed_losses == losses
   for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  return program, compiled
+  return program, compiled, batches
 
 
 def test_resume_is_exact_with_fsdp(tmp_path):
@@ -211,7 +211,13 @@ def test_resume_is_exact_with_fsdp(tmp_path):
 
 
 def test_resume_is_exact_with_all_of_fcdp(tmp_path):
-  program, compiled = _resume_is_exact(LORA + ALL_FCDP, tmp_path)
+  program, compiled, batches = _resume_is_exact(LORA + ALL_FCDP, tmp_path)
+  # The frozen weights' node-level blocks reassemble the right weights: the
+  # run trains like the one with fully gathered frozen weights.
+  flat, flat_compiled = _adamw(*LORA, '--config.fcdp.lora_aware=true')
+  want = _run(flat, flat_compiled, *flat.init_state(), batches)[2]
+  got = _run(program, compiled, *program.init_state(), batches)[2]
+  np.testing.assert_allclose(got, want, rtol=1e-6)
   # With the hierarchy the frozen weights are node-level shards on host:
   # gathered within the node from host memory, never across nodes.
   frozen_sizes = {64 * 64, 64 * 32, 64 * 192, 256 * 64, 64}
