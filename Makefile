@@ -49,6 +49,7 @@ results:
 bench:
 	JAX_PLATFORMS=cpu $(PY) bench/comm_volume.py
 	JAX_PLATFORMS=cpu $(PY) bench/optimizer_overhead.py
+	JAX_PLATFORMS=cpu $(PY) bench/fcdp_volume.py
 	JAX_PLATFORMS=cpu $(PY) bench/projected_step_time.py --model llama500m --workers 32
 	JAX_PLATFORMS=cpu $(PY) bench/projected_step_time.py --model llama500m --workers 32 --effective-tflops 400 --tokens-per-worker 131072
 	JAX_PLATFORMS=cpu $(PY) bench/projected_step_time.py --model llama1.8b --workers 32 --effective-tflops 400 --tokens-per-worker 65536

@@ -12,11 +12,12 @@ from flax import nnx
 from models.gpt import GPT, GPTConfig
 from models.layers import LOGICAL_AXES, SHARDING_KEY, count_params, logical_axes
 from models.llama import Llama, LlamaConfig
+from models.lora import LoraSpec, rngs
 
 __all__ = [
-    'GPT', 'GPTConfig', 'Llama', 'LlamaConfig', 'LOGICAL_AXES', 'PRESETS',
-    'SHARDING_KEY', 'build', 'get_config', 'logical_axes', 'pad_vocab',
-    'param_count',
+    'GPT', 'GPTConfig', 'Llama', 'LlamaConfig', 'LOGICAL_AXES', 'LoraSpec',
+    'PRESETS', 'SHARDING_KEY', 'build', 'get_config', 'logical_axes',
+    'pad_vocab', 'param_count', 'rngs',
 ]
 
 Config = GPTConfig | LlamaConfig

@@ -68,12 +68,20 @@ def _words(x: jax.Array) -> jax.Array:
       jnp.uint32)
 
 
+def _on_device(x: jax.Array) -> jax.Array:
+  """`x`, copied to device memory if it lives in host memory (FCDP's cache):
+  arithmetic needs its operands in one memory space."""
+  if jax.typeof(x).memory_space == jax.memory.Space.Host:
+    return jax.device_put(x, jax.memory.Space.Device)
+  return x
+
+
 def _leaf_checksum(x: jax.Array) -> jax.Array:
   """[sum(w), sum(w * (2i + 1))] mod 2**32 over the words w, i = flat index.
 
   The weights are odd, so changing any single word changes both sums.
   """
-  w = _words(x)
+  w = _words(_on_device(x))
   index, stride = jnp.zeros(w.shape, jnp.uint32), 1
   for axis in reversed(range(w.ndim)):
     index += lax.broadcasted_iota(jnp.uint32, w.shape, axis) * jnp.uint32(

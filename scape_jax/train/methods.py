@@ -28,7 +28,7 @@ from scape_jax import outer as outer_lib
 from scape_jax.comm import collectives
 from scape_jax.optim import _adams as adams_lib
 from scape_jax.optim import _scape as scape_lib
-from scape_jax.sharding.mesh import DATA, FSDP, REPLICA
+from scape_jax.comm.axes import DATA, FSDP_AXES, REPLICA
 
 DECAYS = ('cosine', 'constant')  # Learning-rate schedules after warmup.
 
@@ -37,7 +37,7 @@ DECAYS = ('cosine', 'constant')  # Learning-rate schedules after warmup.
 class Context:
   """What building a method needs to know about the layout and the run."""
   axis_name: Any = DATA  # the data-parallel exchange axis (or axes)
-  fsdp: bool = False  # parameters and gradients split over 'fsdp'
+  fsdp: bool = False  # parameters and gradients split over the fsdp group
   total_steps: int = 1  # steps in the run (schedules in fractions of it)
 
 
@@ -139,7 +139,7 @@ def _clip(cfg, ctx: Context) -> list:
   if cfg.clip_norm <= 0:
     return []
   return [collectives.clip_by_global_norm(cfg.clip_norm,
-                                          FSDP if ctx.fsdp else None)]
+                                          FSDP_AXES if ctx.fsdp else None)]
 
 
 def _build_adamw(cfg, section, lr, ctx) -> Built:

@@ -3,8 +3,9 @@
 The whole step runs inside `jax.shard_map`. Each worker computes its local
 gradient on its part of the batch and hands it to the method's optax
 transformation, which owns the data-parallel exchange. The `Layout` says
-where parameters live: replicated, split over 'fsdp', or one copy per replica
-group (`scape_jax.sharding.layout`).
+where parameters live: replicated, split over the fsdp group (gathered per
+unit, with FCDP's switches), or one copy per replica group, and which are
+frozen (`scape_jax.sharding.layout`).
 """
 
 from typing import Any, Callable, Optional, Sequence
@@ -16,7 +17,7 @@ from jax.sharding import NamedSharding
 
 from scape_jax.comm.collectives import global_norm, varying
 from scape_jax.sharding.layout import Layout
-from scape_jax.sharding.mesh import DATA, FSDP
+from scape_jax.sharding.mesh import DATA, FSDP_AXES
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -79,18 +80,20 @@ def make_train_step(apply_fn: Callable[[Any, jax.Array], jax.Array],
   """
   update_kwargs = update_kwargs or {}
 
-  def loss_fn(p, batch):
-    logits = apply_fn(layout.gather(p), batch['inputs'])
-    return cross_entropy(logits, batch['targets'])
-
   def local_step(params, opt_state, batch):
     params, opt_state = layout.enter(params), layout.enter(opt_state)
+    params, frozen = layout.split(params)  # frozen: not differentiated
+
+    def loss_fn(p, batch):
+      logits = layout.apply(apply_fn, layout.merge(p, frozen), batch['inputs'])
+      return cross_entropy(logits, batch['targets'])
+
     loss, grads = local_value_and_grad(loss_fn, params, batch, micro_batches,
                                        layout.batch_axes)
     grads = layout.finish_gradients(grads)
     updates, opt_state = tx.update(grads, opt_state, params, **update_kwargs)
-    params = optax.apply_updates(params, updates)
-    grad_sq = global_norm(grads, FSDP, squared=True)  # shards combined
+    params = layout.merge(optax.apply_updates(params, updates), frozen)
+    grad_sq = global_norm(grads, FSDP_AXES, squared=True)  # shards combined
     local_stats = jnp.stack([loss, grad_sq])
     stats = jax.lax.pmean(local_stats, layout.batch_axes)
     metrics = {'loss': stats[0], 'grad_norm': jnp.sqrt(stats[1])}
@@ -114,5 +117,5 @@ def make_eval_step(apply_fn, layout: Layout):
     return cross_entropy(logits, batch['targets'])
 
   return jax.jit(eval_step, in_shardings=(
-      layout.shardings(layout.param_specs),
+      layout.param_shardings(),
       NamedSharding(layout.mesh, layout.batch_spec())))
