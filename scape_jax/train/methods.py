@@ -7,8 +7,8 @@ Each method declares, in one `MethodSpec` registered here:
   command line as `--config.optimizer.scape.density=0.01`;
 * `build`: how its optax transformation is made from the common optimizer
   keys, its section and the learning-rate schedule, and which static keyword
-  arguments `tx.update` takes at each step (SCAPE's density level; later
-  Radius's dense/sparse step and DiLoCo's inner/outer step). Each distinct
+  arguments `tx.update` takes at each step (SCAPE's density level, Radius's
+  dense/sparse/resample step kind; later DiLoCo's inner/outer step). Each distinct
   value is one compiled program;
 * `supports_fsdp` and `per_replica`: the parameter layouts it runs on
   (`scape_jax.sharding.Layout`);
@@ -20,12 +20,16 @@ docs/design.md, "Adding a method".
 """
 
 import dataclasses
+import fractions
+import math
 from typing import Any, Callable, NamedTuple, Optional
 
 import optax
 
 from scape_jax.comm import collectives
 from scape_jax.optim import _adams as adams_lib
+from scape_jax.optim import _demo as demo_lib
+from scape_jax.optim import _radius as radius_lib
 from scape_jax.optim import _scape as scape_lib
 from scape_jax.sharding.mesh import DATA, FSDP
 
@@ -34,9 +38,10 @@ DECAYS = ('cosine', 'constant')  # Learning-rate schedules after warmup.
 
 @dataclasses.dataclass(frozen=True)
 class Context:
-  """What building a method needs to know about the layout."""
+  """What building a method needs to know about the layout and the run."""
   axis_name: Optional[str] = DATA  # the data-parallel exchange axis
   fsdp: bool = False  # parameters and gradients split over 'fsdp'
+  total_steps: int = 0  # updates in the run (set by `build`)
 
 
 class Built(NamedTuple):
@@ -117,6 +122,7 @@ def build(cfg, total_steps: int, ctx: Context = Context()) -> Method:
   spec = get(cfg.name)
   section = getattr(cfg, spec.name) if spec.section else None
   lr = learning_rate(cfg, total_steps)
+  ctx = dataclasses.replace(ctx, total_steps=total_steps)
   built = spec.build(cfg, section, lr, ctx)
   return Method(spec, built.tx, lr, built.static_args)
 
@@ -180,3 +186,64 @@ register(MethodSpec('scape', _build_scape, section=ScapeConfig,
                     stats=scape_lib.scape_stats,
                     summary='AdamS with a top-k sparsified, error-fed first '
                     'moment (SCAPE Algorithm 1)'))
+
+
+# ----------------------------------------------------------------------------
+# Radius.
+
+
+@dataclasses.dataclass(slots=True)
+class RadiusConfig:
+  density: float = radius_lib.DENSITY  # Fraction of each compressed leaf sent on sparse steps, in (0, 1].
+  interval: int = radius_lib.INTERVAL  # T: steps between resamples of the shared masks, >= 1.
+  dense_fraction: float = radius_lib.DENSE_FRACTION  # In [0, 1]; threshold = ceil(dense_fraction * steps): dense before it.
+  index_radius: int = 0  # r: widen each selected index i to [i - r, i + r], >= 0.
+
+
+def _radius_threshold(dense_fraction: float, total_steps: int) -> int:
+  if not 0.0 <= dense_fraction <= 1.0:
+    raise ValueError(f'dense_fraction={dense_fraction!r} must be in [0, 1].')
+  return math.ceil(fractions.Fraction(repr(float(dense_fraction))) *
+                   total_steps)
+
+
+def _build_radius(cfg, section: RadiusConfig, lr, ctx) -> Built:
+  schedule = radius_lib.RadiusSchedule(
+      section.interval,
+      _radius_threshold(section.dense_fraction, ctx.total_steps))
+  tx = radius_lib.radius(
+      lr, density=section.density, interval=schedule.interval,
+      threshold=schedule.threshold, index_radius=section.index_radius,
+      b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+      clip_norm=cfg.clip_norm if cfg.clip_norm > 0 else None,
+      axis_name=ctx.axis_name)
+  return Built(tx, lambda step: {'step_kind': schedule.kind(step)})
+
+
+register(MethodSpec('radius', _build_radius, section=RadiusConfig,
+                    stats=radius_lib.radius_stats,
+                    summary='AdamW on a top-k sparsified all-reduce with '
+                    'masks shared by every worker (Radius)'))
+
+
+# ----------------------------------------------------------------------------
+# DeMo.
+
+
+@dataclasses.dataclass(slots=True)
+class DemoConfig:
+  beta: float = demo_lib.BETA  # Momentum decay, in [0, 1): m <- beta m + g.
+  chunk: int = demo_lib.CHUNK  # Chunk side per dimension (its largest divisor <= chunk is used).
+  topk: int = demo_lib.TOPK  # DCT coefficients sent per chunk, in [1, chunk**2].
+
+
+def _build_demo(cfg, section: DemoConfig, lr, ctx) -> Built:
+  return Built(demo_lib.demo(
+      lr, beta=section.beta, chunk=section.chunk, topk=section.topk,
+      weight_decay=cfg.weight_decay, axis_name=ctx.axis_name))
+
+
+register(MethodSpec('demo', _build_demo, section=DemoConfig,
+                    stats=demo_lib.demo_stats,
+                    summary='decoupled per-worker momentum synchronized '
+                    'through top-k DCT coefficients, sign update (DeMo)'))
