@@ -58,12 +58,11 @@ def test_chunks_tile_every_shape_and_the_dct_round_trips(shape, chunk, blocks):
 
 
 def test_duplicates_are_averaged_not_summed():
-  layout = _demo.DctLayout.create((4, 4), 2, topk=2)  # 4 chunks of 4
   idx = np.array([[[0, 1], [2, 3], [0, 1], [3, 2]],   # worker 0
                   [[1, 0], [2, 1], [3, 2], [3, 0]]])  # worker 1
   val = np.arange(16, dtype=np.float32).reshape(2, 4, 2) + 1
   got = np.asarray(_demo.scatter_mean(jnp.asarray(idx), jnp.asarray(val),
-                                      layout))
+                                      chunk_size=4))
   want = np.zeros((4, 4))
   for c in range(4):
     for i in range(4):

@@ -158,8 +158,8 @@ def test_bytes_of_each_step_kind_from_the_compiled_step(index_radius):
                                 grads)
     assert {c.kind for c in cols} == {'all-reduce'}, analysis.format_table(
         cols)
-    assert sum(c.elements for c in cols) == values, (kind,
-                                                     analysis.format_table(cols))
+    table = analysis.format_table(cols)
+    assert sum(c.elements for c in cols) == values, (kind, table)
     assert analysis.bytes_sent(cols) == pytest.approx(
         analysis.ring_all_reduce_bytes(4 * values, n))
 

@@ -123,38 +123,101 @@ class DctLayout:
     return self.num_chunks * self.k * per_entry
 
 
-def dct_chunks(x: jax.Array, layout: DctLayout) -> jax.Array:
-  """Per-chunk separable DCT-II of a leaf: [num_chunks, chunk_size]."""
+def to_blocks(x: jax.Array, layout: DctLayout) -> jax.Array:
+  """A leaf's chunks, row-major over the chunk grid: [chunks, s0, s1]."""
   a, b = layout.grid
   blocks = x.reshape(a, layout.chunk_rows, b, layout.chunk_cols)
-  d0 = jnp.asarray(dct_matrix(layout.chunk_rows))
-  d1 = jnp.asarray(dct_matrix(layout.chunk_cols))
-  coef = jnp.einsum('ip,apbq,jq->abij', d0, blocks, d1, precision=_HIGHEST)
-  return coef.reshape(a * b, layout.chunk_size)
+  return blocks.transpose(0, 2, 1, 3).reshape(
+      a * b, layout.chunk_rows, layout.chunk_cols)
+
+
+def from_blocks(blocks: jax.Array, layout: DctLayout) -> jax.Array:
+  """The inverse of `to_blocks`."""
+  a, b = layout.grid
+  x = blocks.reshape(a, b, layout.chunk_rows, layout.chunk_cols)
+  return x.transpose(0, 2, 1, 3).reshape(layout.shape)
+
+
+def dct_blocks(blocks: jax.Array) -> jax.Array:
+  """Separable DCT-II of each [s0, s1] block: coefficients [n, s0 * s1]."""
+  n, s0, s1 = blocks.shape
+  d0, d1 = jnp.asarray(dct_matrix(s0)), jnp.asarray(dct_matrix(s1))
+  coef = jnp.einsum('ip,npq,jq->nij', d0, blocks, d1, precision=_HIGHEST)
+  return coef.reshape(n, s0 * s1)
+
+
+def idct_blocks(coef: jax.Array, s0: int, s1: int) -> jax.Array:
+  """The inverse of `dct_blocks`: [n, s0 * s1] -> blocks [n, s0, s1]."""
+  d0, d1 = jnp.asarray(dct_matrix(s0)), jnp.asarray(dct_matrix(s1))
+  return jnp.einsum('ip,nij,jq->npq', d0, coef.reshape(-1, s0, s1), d1,
+                    precision=_HIGHEST)
+
+
+def dct_chunks(x: jax.Array, layout: DctLayout) -> jax.Array:
+  """Per-chunk separable DCT-II of a leaf: [num_chunks, chunk_size]."""
+  return dct_blocks(to_blocks(x, layout))
 
 
 def idct_chunks(coef: jax.Array, layout: DctLayout) -> jax.Array:
   """The inverse of `dct_chunks`: coefficients -> the leaf's shape."""
-  a, b = layout.grid
-  blocks = coef.reshape(a, b, layout.chunk_rows, layout.chunk_cols)
-  d0 = jnp.asarray(dct_matrix(layout.chunk_rows))
-  d1 = jnp.asarray(dct_matrix(layout.chunk_cols))
-  x = jnp.einsum('ip,abij,jq->apbq', d0, blocks, d1, precision=_HIGHEST)
-  return x.reshape(layout.shape)
+  return from_blocks(
+      idct_blocks(coef, layout.chunk_rows, layout.chunk_cols), layout)
 
 
 def scatter_mean(indices: jax.Array, values: jax.Array,
-                 layout: DctLayout) -> jax.Array:
-  """Coefficients from every worker's (indices, values) [W, chunks, k].
+                 chunk_size: int) -> jax.Array:
+  """Coefficients [chunks, chunk_size] from every worker's (indices, values).
 
-  Each coefficient is the mean of the values sent for it (duplicates across
-  workers are averaged, not summed); coefficients nobody sent are zero.
+  `indices` and `values` are [W, chunks, k]. Each coefficient is the mean of
+  the values sent for it (duplicates across workers are averaged, not
+  summed); coefficients nobody sent are zero.
   """
-  rows = jnp.arange(layout.num_chunks)[None, :, None]
-  shape = (layout.num_chunks, layout.chunk_size)
+  num_chunks = indices.shape[1]
+  rows = jnp.arange(num_chunks)[None, :, None]
+  shape = (num_chunks, chunk_size)
   sums = jnp.zeros(shape, jnp.float32).at[rows, indices].add(values)
   counts = jnp.zeros(shape, jnp.float32).at[rows, indices].add(1.0)
   return jnp.where(counts > 0, sums / jnp.maximum(counts, 1.0), 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class DctGroup:
+  """Leaves whose chunks have the same shape and k, batched as one.
+
+  The chunks of `members` (leaf indices) are stacked in order; `sizes[i]` is
+  the number of chunks of member i. One DCT, one top-k and one scatter per
+  group instead of per leaf.
+  """
+  chunk_rows: int
+  chunk_cols: int
+  k: int
+  members: tuple
+  sizes: tuple
+
+  @property
+  def chunk_size(self) -> int:
+    return self.chunk_rows * self.chunk_cols
+
+  @property
+  def num_chunks(self) -> int:
+    return sum(self.sizes)
+
+  @property
+  def index_dtype(self):
+    """The smallest integer type that holds an offset within a chunk."""
+    return next(d for d in INDEX_DTYPES
+                if self.chunk_size - 1 <= jnp.iinfo(d).max)
+
+
+def group_layouts(layouts) -> tuple:
+  """The `DctGroup`s of a list of leaf layouts, in first-seen order."""
+  members = {}
+  for j, lay in enumerate(layouts):
+    key = (lay.chunk_rows, lay.chunk_cols, lay.k)
+    members.setdefault(key, []).append(j)
+  return tuple(DctGroup(*key, tuple(js),
+                        tuple(layouts[j].num_chunks for j in js))
+               for key, js in members.items())
 
 
 def scale_by_demo(
@@ -184,15 +247,16 @@ def scale_by_demo(
   """
   _common.check_decay('scale_by_demo', 'beta', beta)
   _common.check_int('scale_by_demo', 'chunk', chunk, 1,
-                    why=' (each dimension is cut into chunks of its largest divisor <= '
-                    'chunk)')
+                    why=' (each dimension is cut into chunks of its largest '
+                    'divisor <= chunk)')
   _common.check_int('scale_by_demo', 'topk', topk, 1, chunk * chunk,
                     why=f' (a chunk holds at most chunk**2 = {chunk * chunk}'
                     ' coefficients)')
 
-  def layouts(tree) -> list:
-    return [DctLayout.create(x.shape, chunk, topk)
-            for x in jax.tree.leaves(tree)]
+  def plan(tree) -> tuple:
+    layouts = [DctLayout.create(x.shape, chunk, topk)
+               for x in jax.tree.leaves(tree)]
+    return layouts, group_layouts(layouts)
 
   def init_fn(params):
     n, local = _common.axis_context('demo init', axis_name)
@@ -209,12 +273,15 @@ def scale_by_demo(
     _common.axis_context('demo update', axis_name)
     _common.check_per_worker_state('demo update', state.momentum_norm)
     treedef = jax.tree.structure(updates)
-    plan = layouts(updates)
+    layouts, groups = plan(updates)
     momentum = [m[0] for m in treedef.flatten_up_to(state.momentum)]
     grads = [g.astype(jnp.float32) for g in jax.tree.leaves(updates)]
     momentum = [beta * m + g for m, g in zip(momentum, grads)]
-    indices, values, momentum = _extract(momentum, plan)
-    fast = _exchange(indices, values, plan, axis_name)
+    blocks = [_stack(momentum, layouts, group) for group in groups]
+    indices, values, blocks = zip(*map(_extract, blocks, groups))
+    momentum = _unstack(blocks, layouts, groups)
+    fast = _unstack(_exchange(indices, values, groups, axis_name), layouts,
+                    groups)
     direction = [jnp.sign(q).astype(g.dtype)
                  for q, g in zip(fast, jax.tree.leaves(updates))]
     vary = functools.partial(varying, axis_name=axis_name)
@@ -233,47 +300,60 @@ def scale_by_demo(
 # The phases of one update. Lists run over the leaves of the tree.
 
 
-def _extract(momentum, plan):
-  """Top-k DCT coefficients per chunk; the momentum without them.
+def _stack(leaves, layouts, group: DctGroup) -> jax.Array:
+  """The chunks of a group's members, stacked: [chunks, s0, s1]."""
+  parts = [to_blocks(leaves[j], layouts[j]) for j in group.members]
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
-  Returns this worker's (indices int32 [chunks, k], amplitudes fp32
-  [chunks, k]) per leaf and `m - q`, q the inverse DCT of what is sent.
+
+def _unstack(group_blocks, layouts, groups) -> list:
+  """Per-group stacked chunks -> one array per leaf, in leaf order."""
+  leaves = [None] * len(layouts)
+  for blocks, group in zip(group_blocks, groups):
+    bounds = np.cumsum((0,) + group.sizes)
+    for j, a, b in zip(group.members, bounds[:-1], bounds[1:]):
+      leaves[j] = from_blocks(blocks[a:b], layouts[j])
+  return leaves
+
+
+def _extract(blocks: jax.Array, group: DctGroup) -> tuple:
+  """Top-k DCT coefficients per chunk, and the chunks without them.
+
+  Returns this worker's indices int32 [chunks, k], amplitudes fp32
+  [chunks, k] and `m - q` [chunks, s0, s1], q the inverse DCT of what is
+  sent.
   """
-  indices, values, rest = [], [], []
-  for m, layout in zip(momentum, plan):
-    coef = dct_chunks(m, layout)
-    _, idx = jax.lax.top_k(jnp.abs(coef), layout.k)  # ties: lower index
-    val = jnp.take_along_axis(coef, idx, axis=1)
-    rows = jnp.arange(layout.num_chunks)[:, None]
-    sent = jnp.zeros_like(coef).at[rows, idx].set(val)
-    indices.append(idx)
-    values.append(val)
-    rest.append(m - idct_chunks(sent, layout))
-  return indices, values, rest
+  coef = dct_blocks(blocks)
+  _, idx = jax.lax.top_k(jnp.abs(coef), group.k)  # ties: lower index first
+  val = jnp.take_along_axis(coef, idx, axis=1)
+  rows = jnp.arange(group.num_chunks)[:, None]
+  sent = jnp.zeros_like(coef).at[rows, idx].set(val)
+  return idx, val, blocks - idct_blocks(sent, group.chunk_rows,
+                                        group.chunk_cols)
 
 
-def _exchange(indices, values, plan, axis_name) -> list:
+def _exchange(indices, values, groups, axis_name) -> list:
   """All-gathers every worker's coefficients; their mean, back in space.
 
-  One uint8 buffer carries, per leaf, the fp32 amplitudes and the indices
-  in `DctLayout.index_dtype`.
+  One uint8 buffer carries, per group, the fp32 amplitudes and the indices
+  in `DctGroup.index_dtype`. Returns the stacked chunks of Q per group.
   """
   parts = []
-  for idx, val, layout in zip(indices, values, plan):
-    parts += [_to_bytes(val), _to_bytes(idx.astype(layout.index_dtype))]
+  for idx, val, group in zip(indices, values, groups):
+    parts += [_to_bytes(val), _to_bytes(idx.astype(group.index_dtype))]
   buffer = jnp.concatenate(parts)
   gathered = (buffer[None] if axis_name is None else
               all_gather_invariant(buffer, axis_name))
   bounds = np.cumsum([0] + [p.size for p in parts])
   fast = []
-  for j, layout in enumerate(plan):
-    entries = (layout.num_chunks, layout.k)
-    val_bytes = gathered[:, bounds[2 * j]:bounds[2 * j + 1]]
-    idx_bytes = gathered[:, bounds[2 * j + 1]:bounds[2 * j + 2]]
-    val = _from_bytes(val_bytes, jnp.float32).reshape((-1,) + entries)
-    idx = _from_bytes(idx_bytes, layout.index_dtype).reshape((-1,) + entries)
-    coef = scatter_mean(idx.astype(jnp.int32), val, layout)
-    fast.append(idct_chunks(coef, layout))
+  for i, group in enumerate(groups):
+    entries = (group.num_chunks, group.k)
+    val = _from_bytes(gathered[:, bounds[2 * i]:bounds[2 * i + 1]],
+                      jnp.float32).reshape((-1,) + entries)
+    idx = _from_bytes(gathered[:, bounds[2 * i + 1]:bounds[2 * i + 2]],
+                      group.index_dtype).reshape((-1,) + entries)
+    coef = scatter_mean(idx.astype(jnp.int32), val, group.chunk_size)
+    fast.append(idct_blocks(coef, group.chunk_rows, group.chunk_cols))
   return fast
 
 

@@ -55,9 +55,12 @@ class ScaleByRadiusState(NamedTuple):
   """State of `scale_by_radius`."""
   count: jax.Array  # int32: completed updates.
   adam: optax.ScaleByAdamState  # AdamW moments of the exchanged gradient.
-  mask: optax.Updates  # Shared: ascending flat offsets int32[slots] per sparse leaf; MaskedNode elsewhere.
-  residual: optax.Updates  # Per worker: fp32 [W, *shape] per sparse leaf; MaskedNode elsewhere.
-  residual_norm: jax.Array  # Per worker: ||residual|| after the last step, f32[W].
+  # Shared by all workers: ascending flat offsets int32[slots] per sparse
+  # leaf (`size` marks an empty slot); MaskedNode on the other leaves.
+  mask: optax.Updates
+  # Per worker: error feedback, fp32 [W, *shape] per sparse leaf.
+  residual: optax.Updates
+  residual_norm: jax.Array  # Per worker: ||residual|| after the step, f32[W].
 
   # Fields that differ per worker and carry the leading worker axis.
   PER_WORKER_FIELDS = ('residual', 'residual_norm')
@@ -97,13 +100,14 @@ class RadiusSchedule:
 
 
 def top_k_count(density: float, size: int) -> int:
-  """k = ceil(density * size), exactly on the decimal `density`; 1 <= k <= size."""
+  """k = ceil(density * size) on the exact decimal `density`, 1 <= k <= size."""
   try:
     value = float(density)
   except (TypeError, ValueError):
     value = math.nan
   if not 0.0 < value <= 1.0:
-    raise ValueError(f'scale_by_radius: density={density!r} must be in (0, 1].')
+    raise ValueError(
+        f'scale_by_radius: density={density!r} must be in (0, 1].')
   k = math.ceil(fractions.Fraction(repr(value)) * size)
   return max(1, min(size, k))
 
@@ -157,7 +161,7 @@ def scale_by_radius(
     axis_name: Optional[str] = 'data',
     compress: MaskOrFn = None,
 ) -> optax.GradientTransformationExtraArgs:
-  """Radius's exchange and corrected gradient from each worker's local gradients.
+  """Radius's exchange and corrected gradient from each worker's gradients.
 
   The output is Algorithm 2's corrected gradient `m_hat / (sqrt(v_hat) + eps)
   + weight_decay * w`, on which the masks are chosen; scale it by the

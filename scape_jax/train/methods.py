@@ -8,8 +8,8 @@ Each method declares, in one `MethodSpec` registered here:
 * `build`: how its optax transformation is made from the common optimizer
   keys, its section and the learning-rate schedule, and which static keyword
   arguments `tx.update` takes at each step (SCAPE's density level, Radius's
-  dense/sparse/resample step kind; later DiLoCo's inner/outer step). Each distinct
-  value is one compiled program;
+  dense/sparse/resample step kind; later DiLoCo's inner/outer step). Each
+  distinct value is one compiled program;
 * `supports_fsdp` and `per_replica`: the parameter layouts it runs on
   (`scape_jax.sharding.Layout`);
 * `stats`: what it reports in the metrics besides loss and gradient norm.
@@ -194,10 +194,14 @@ register(MethodSpec('scape', _build_scape, section=ScapeConfig,
 
 @dataclasses.dataclass(slots=True)
 class RadiusConfig:
-  density: float = radius_lib.DENSITY  # Fraction of each compressed leaf sent on sparse steps, in (0, 1].
-  interval: int = radius_lib.INTERVAL  # T: steps between resamples of the shared masks, >= 1.
-  dense_fraction: float = radius_lib.DENSE_FRACTION  # In [0, 1]; threshold = ceil(dense_fraction * steps): dense before it.
-  index_radius: int = 0  # r: widen each selected index i to [i - r, i + r], >= 0.
+  # Fraction of each compressed leaf sent on sparse steps, in (0, 1].
+  density: float = radius_lib.DENSITY
+  # T: steps between resamples of the shared masks, >= 1.
+  interval: int = radius_lib.INTERVAL
+  # In [0, 1]: steps before threshold = ceil(dense_fraction * steps) are dense.
+  dense_fraction: float = radius_lib.DENSE_FRACTION
+  # r >= 0: each selected index i is widened to [i - r, i + r].
+  index_radius: int = 0
 
 
 def _radius_threshold(dense_fraction: float, total_steps: int) -> int:
@@ -232,9 +236,10 @@ register(MethodSpec('radius', _build_radius, section=RadiusConfig,
 
 @dataclasses.dataclass(slots=True)
 class DemoConfig:
-  beta: float = demo_lib.BETA  # Momentum decay, in [0, 1): m <- beta m + g.
-  chunk: int = demo_lib.CHUNK  # Chunk side per dimension (its largest divisor <= chunk is used).
-  topk: int = demo_lib.TOPK  # DCT coefficients sent per chunk, in [1, chunk**2].
+  beta: float = demo_lib.BETA  # Momentum decay in [0, 1): m <- beta m + g.
+  # Chunk side per dimension; each uses its largest divisor <= chunk.
+  chunk: int = demo_lib.CHUNK
+  topk: int = demo_lib.TOPK  # DCT coefficients sent per chunk, [1, chunk**2].
 
 
 def _build_demo(cfg, section: DemoConfig, lr, ctx) -> Built:
