@@ -12,9 +12,19 @@ devices, and its collectives are read from the optimized HLO
                      mask    (N-1)/N * 4 * N * w, w = one worker's mask words
                      (design note, section 3; `masks.LeafLayout`)
 
+  Radius             dense and resample steps: the dense all-reduce;
+                     sparse steps 2 (N-1)/N * 4 * V, V = sum over compressed
+                     leaves of min(size, k (2r+1)) slots, k = ceil(d size),
+                     + the other leaves' elements; the period average is
+                     ((T-1) sparse + resample) / T (design note, "Radius")
+  DeMo               one all-gather of (N-1) * B bytes, B = sum over leaves
+                     of chunks * min(topk, chunk size) * (4 B amplitude + 1,
+                     2 or 4 B index) (design note, "DeMo")
+
 A compressed leaf whose k equals its chunk (density 1) is sent dense and has no
 mask, exactly as `scale_by_scape` does. Measured minus analytic is reported,
-never hidden.
+never hidden. Radius has one row per step kind (each its own compiled
+program) and one for the average over a period of T steps.
 
 Rows whose program is provably identical to one already compiled share it:
 `mask_encoding='auto'` resolves to one encoding per leaf, and when that is the
@@ -24,11 +34,14 @@ say so in the `program` column; `--no-dedupe` compiles them anyway.
 
   python bench/comm_volume.py                       # the full table + plot
   python bench/comm_volume.py --models llama-tiny --workers 8 --no-plot
+  python bench/comm_volume.py --models llama-tiny --workers 8 --no-plot \
+      --methods adamw radius demo
 """
 
 import argparse
 import concurrent.futures as cf
 import csv
+import fractions
 import json
 import math
 import multiprocessing
@@ -57,6 +70,12 @@ MODELS = ('llama-tiny', 'gpt345m', 'llama500m', 'llama1.8b')
 WORKERS = (8, 32)
 DENSITIES = (0.1, 0.01)
 ENCODINGS = ('bitmap', 'indices', 'auto')
+METHODS = ('adamw', 'adams', 'scape', 'radius', 'demo')
+RADIUS_DENSITIES = (0.5,)  # The paper's GPT-355M setting.
+RADIUS_INTERVAL = 200  # T (paper).
+RADIUS_KINDS = ('dense', 'resample', 'sparse')
+DEMO_TOPKS = (32,)  # The paper's s = 64, k = 32.
+DEMO_CHUNK = 64
 PLOT_DENSITIES = (1.0, 0.1, 0.03, 0.01, 0.001)
 PLOT_MODEL, PLOT_N = 'llama500m', 32
 # Only LLVM's optimization of the generated CPU code; HLO passes (where the
@@ -64,7 +83,7 @@ PLOT_MODEL, PLOT_N = 'llama500m', 32
 FAST_BACKEND_FLAG = '--xla_backend_optimization_level=0'
 OUT = os.path.join(ROOT, 'docs', 'bench')
 CSV_FIELDS = ('model', 'params', 'N', 'method', 'density', 'encoding',
-              'resolved', 'measured_bytes', 'analytic_bytes', 'diff_bytes',
+              'variant', 'resolved', 'measured_bytes', 'analytic_bytes', 'diff_bytes',
               'measured_allreduce_bytes', 'measured_allgather_bytes',
               'analytic_payload_bytes', 'analytic_mask_bytes',
               'reduction_measured', 'reduction_analytic', 'program',
@@ -116,6 +135,60 @@ def scape_bytes(shapes, n: int, density: float, encoding: str) -> dict:
           'resolved': {e for e in per_leaf if e is not None}}
 
 
+def _top_k(density: float, size: int) -> int:
+  """ceil(density * size) on the exact decimal density, in [1, size]."""
+  k = math.ceil(fractions.Fraction(repr(float(density))) * size)
+  return max(1, min(size, k))
+
+
+def radius_bytes(shapes, n: int, density: float, index_radius: int = 0,
+                 interval: int = RADIUS_INTERVAL) -> dict:
+  """Radius's bytes per device for each step kind and a period's average.
+
+  Leaves with ndim >= 2 are compressed: k = ceil(density * size) centres,
+  widened by r, give min(size, k (2r + 1)) slots; a leaf with as many slots
+  as entries is sent in full.
+  """
+  total, values = 0, 0
+  for shape in shapes:
+    size = math.prod(shape)
+    total += size
+    slots = min(size, _top_k(density, size) * (2 * index_radius + 1))
+    values += slots if len(shape) >= 2 and slots < size else size
+  dense = analysis.ring_all_reduce_bytes(4 * total, n)
+  sparse = analysis.ring_all_reduce_bytes(4 * values, n)
+  return {'dense': dense, 'resample': dense, 'sparse': sparse,
+          'sparse_values': values,
+          'period': ((interval - 1) * sparse + dense) / interval}
+
+
+def _largest_divisor(n: int, limit: int) -> int:
+  return max([d for d in range(1, min(n, limit) + 1) if n % d == 0] or [1])
+
+
+def demo_bytes(shapes, n: int, topk: int, chunk: int = DEMO_CHUNK) -> dict:
+  """DeMo's bytes per device: one all-gather of every worker's B bytes.
+
+  A leaf is viewed as (rows, cols) (rank 1 as (1, n), rank > 2 as
+  (prod(leading), last)), cut into chunks of each side's largest divisor
+  <= chunk; each chunk sends min(topk, chunk size) fp32 amplitudes and
+  indices in the smallest of int8/int16/int32 that holds an offset.
+  """
+  per_worker, entries = 0, 0
+  for shape in shapes:
+    rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+    cols = shape[-1] if shape else 1
+    s0, s1 = _largest_divisor(rows, chunk), _largest_divisor(cols, chunk)
+    c = s0 * s1
+    k = min(topk, c)
+    index = 1 if c <= 128 else 2 if c <= 32768 else 4
+    count = (rows // s0) * (cols // s1) * k
+    entries += count
+    per_worker += count * (4 + index)
+  return {'worker_bytes': per_worker, 'entries': entries,
+          'bytes': analysis.ring_all_gather_bytes(n * per_worker, n)}
+
+
 def resolved_name(resolved) -> str:
   if not resolved:
     return 'dense'
@@ -135,15 +208,27 @@ def make_config(model: str, n: int, method: str, density=None,
     over += [f'--config.optimizer.scape.density={density}',
              f'--config.optimizer.scape.mask_encoding={encoding}',
              '--config.optimizer.scape.density_warmup_steps=0']
+  elif method == 'radius':  # Kinds by step: 0 dense, T-1 resample, T sparse.
+    over += [f'--config.optimizer.radius.density={density}',
+             f'--config.optimizer.radius.interval={RADIUS_INTERVAL}',
+             '--config.optimizer.radius.dense_fraction=0.0',
+             f'--config.steps={2 * RADIUS_INTERVAL}']
+  elif method == 'demo':  # `density` is DeMo's topk here.
+    over += [f'--config.optimizer.demo.topk={density}',
+             f'--config.optimizer.demo.chunk={DEMO_CHUNK}']
   return config_lib.load(None, over)
 
 
-def measure(cfg: config_lib.Config) -> dict:
-  """Compiles the steady-state train step; its collectives and timing."""
+RADIUS_STEP = {'dense': 0, 'resample': RADIUS_INTERVAL - 1,
+               'sparse': RADIUS_INTERVAL}  # completed updates -> kind
+
+
+def measure(cfg: config_lib.Config, step=None) -> dict:
+  """Compiles the train step after `step` updates (default: the last one)."""
   n = cfg.mesh.data
   program = trainer.build_program(cfg, jax.devices()[:n])
   t0 = time.perf_counter()
-  compiled = program.compile_step(cfg.steps)
+  compiled = program.compile_step(cfg.steps if step is None else step)
   seconds = time.perf_counter() - t0
   cols = analysis.collectives_from_hlo(compiled.as_text())
   by_kind = {}
@@ -170,6 +255,16 @@ def run_group(task) -> list:
   Returns one row per requested encoding (one row for dense methods).
   """
   model, n, method, density, encodings, dedupe = task
+  if method == 'radius':
+    return radius_rows(model, n, density)
+  if method == 'demo':
+    m = measure(make_config(model, n, 'demo', density))
+    shapes = [tuple(s) for s in m['shapes']]
+    return [dict(m, model=model, N=n, method='demo', density=None,
+                 setting=density, encoding=None,
+                 variant=f'k={density} s={DEMO_CHUNK}',
+                 resolved='dense', program='compiled',
+                 analytic=demo_bytes(shapes, n, density)['bytes'])]
   if method != 'scape':
     m = measure(make_config(model, n, method))
     return [dict(m, model=model, N=n, method=method, density=None,
@@ -196,6 +291,34 @@ def run_group(task) -> list:
                      analytic_mask=an['mask_bytes']))
   order = {e: i for i, e in enumerate(encodings)}
   return sorted(rows, key=lambda r: order[r['encoding']])
+
+
+def radius_rows(model: str, n: int, density: float) -> list:
+  """One row per Radius step kind (one program each), then the period."""
+  cfg = make_config(model, n, 'radius', density)
+  rows = []
+  for kind in RADIUS_KINDS:
+    m = measure(cfg, RADIUS_STEP[kind])
+    shapes = [tuple(s) for s in m['shapes']]
+    an = radius_bytes(shapes, n, density)
+    rows.append(dict(m, model=model, N=n, method='radius', density=density,
+                     encoding=None, variant=kind, resolved=kind,
+                     program='compiled', analytic=an[kind]))
+  t = RADIUS_INTERVAL
+  by = {r['variant']: r for r in rows}
+
+  def period(value):
+    return ((t - 1) * value(by['sparse']) + value(by['resample'])) / t
+
+  kinds = set(by['sparse']['by_kind']) | set(by['resample']['by_kind'])
+  rows.append(dict(
+      by['sparse'], variant=f'period T={t}', program=(
+          f'({t - 1} sparse + 1 resample) / {t} of the rows above'),
+      measured_bytes=period(lambda r: r['measured_bytes']),
+      analytic=an['period'], compile_s=0.0,
+      by_kind={k: period(lambda r, k=k: r['by_kind'].get(k, 0.0))
+               for k in kinds}))
+  return rows
 
 
 def _init_worker(xla_flags):
@@ -231,6 +354,10 @@ def _log(rows):
 
 
 def label(r) -> str:
+  if r['method'] == 'radius':
+    return f'radius d={r["density"]:g} {r["variant"]}'
+  if r['method'] == 'demo':
+    return f'demo {r["variant"]}'
   if r['method'] != 'scape':
     return r['method']
   return f'scape d={r["density"]:g} {r["encoding"]}'
@@ -267,11 +394,16 @@ def markdown(rows) -> str:
   return '\n'.join(lines)
 
 
+def _ratio(x) -> str:
+  return '' if x is None else f'{x:.3f}'
+
+
 def csv_row(r) -> dict:
   return {
       'model': r['model'], 'params': r['params'], 'N': r['N'],
       'method': r['method'], 'density': r['density'] or '',
-      'encoding': r['encoding'] or '', 'resolved': r['resolved'],
+      'encoding': r['encoding'] or '', 'variant': r.get('variant', ''),
+      'resolved': r['resolved'],
       'measured_bytes': f'{r["measured_bytes"]:.1f}',
       'analytic_bytes': f'{r["analytic"]:.1f}',
       'diff_bytes': f'{r["diff_bytes"]:.1f}',
@@ -279,14 +411,16 @@ def csv_row(r) -> dict:
       'measured_allgather_bytes': f'{r["by_kind"].get("all-gather", 0):.1f}',
       'analytic_payload_bytes': f'{r.get("analytic_payload", r["analytic"]):.1f}',
       'analytic_mask_bytes': f'{r.get("analytic_mask", 0.0):.1f}',
-      'reduction_measured': f'{r["reduction_measured"]:.3f}',
-      'reduction_analytic': f'{r["reduction_analytic"]:.3f}',
+      'reduction_measured': _ratio(r['reduction_measured']),
+      'reduction_analytic': _ratio(r['reduction_analytic']),
       'program': r['program'], 'compile_s': f'{r["compile_s"]:.1f}',
   }
 
 
 def plot(rows, path: str) -> None:
-  """Bytes per step vs density on PLOT_MODEL at PLOT_N, each encoding."""
+  """Bytes per step vs density on PLOT_MODEL at PLOT_N: SCAPE's encodings,
+  Radius (sparse step and period average) and DeMo (density = coefficients
+  sent per worker / parameters); analytic lines, measured markers."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
@@ -302,21 +436,58 @@ def plot(rows, path: str) -> None:
   for enc, (color, marker) in styles.items():
     ax.plot(grid, [scape_bytes(shapes, PLOT_N, float(d), enc)['bytes'] / 1e6
                    for d in grid], color=color, lw=1, alpha=0.7,
-            ls='--' if enc == 'auto' else '-', label=f'{enc} (analytic)')
+            ls='--' if enc == 'auto' else '-', label=f'SCAPE {enc} (analytic)')
     got = sorted((r['density'], r['measured_bytes']) for r in pts
                  if r['method'] == 'scape' and r['encoding'] == enc)
     ax.plot([d for d, _ in got], [b / 1e6 for _, b in got], ls='none',
             marker=marker, color=color, ms=8 if marker == 'x' else 6,
             mfc='none' if marker != 'x' else None,
-            label=f'{enc} (measured, compiled HLO)')
+            label=f'SCAPE {enc} (measured, compiled HLO)')
+  _plot_radius(ax, pts, shapes, grid)
+  _plot_demo(ax, pts, shapes)
   ax.set(xscale='log', yscale='log', xlabel='density d',
          ylabel='MB sent per device per step (1 MB = 1e6 B)',
-         title=f'SCAPE bytes per step: {PLOT_MODEL}, N={PLOT_N}')
+         title=f'Bytes per step: {PLOT_MODEL}, N={PLOT_N}')
   ax.grid(True, which='both', alpha=0.3)
-  ax.legend(fontsize=8)
+  ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+def _plot_radius(ax, pts, shapes, grid) -> None:
+  for key, ls, color in (('sparse', '-', 'C3'), ('period', ':', 'C3')):
+    ax.plot(grid, [radius_bytes(shapes, PLOT_N, float(d))[key] / 1e6
+                   for d in grid], color=color, ls=ls, lw=1,
+            label=f'Radius {key} (analytic, T={RADIUS_INTERVAL})')
+    got = sorted((r['density'], r['measured_bytes']) for r in pts
+                 if r['method'] == 'radius' and
+                 r['variant'].split()[0] == key)
+    ax.plot([d for d, _ in got], [b / 1e6 for _, b in got], ls='none',
+            marker='^' if key == 'sparse' else 'v', color=color, mfc='none',
+            label=f'Radius {key} (measured)')
+
+
+def _plot_demo(ax, pts, shapes) -> None:
+  """DeMo at density = coefficients sent per worker / parameters."""
+  params = sum(math.prod(s) for s in shapes)
+  full = DEMO_CHUNK * DEMO_CHUNK
+  curve = [demo_bytes(shapes, PLOT_N, 2**i) for i in
+           range(int(math.log2(full)) + 1)]
+  ax.plot([c['entries'] / params for c in curve],
+          [c['bytes'] / 1e6 for c in curve], color='C4', lw=1,
+          label=f'DeMo s={DEMO_CHUNK}, k = 1..{full} (analytic)')
+  got = [(demo_bytes(shapes, PLOT_N, r['setting'])['entries'] / params,
+          r['measured_bytes']) for r in pts if r['method'] == 'demo']
+  ax.plot([d for d, _ in got], [b / 1e6 for _, b in got], ls='none',
+          marker='D', color='C4', mfc='none', label='DeMo (measured)')
+
+
+def _variant_order(variant) -> tuple:
+  """Radius rows in step-kind order, the period last; others by name."""
+  kind = (variant or '').split(' ')[0]
+  return (RADIUS_KINDS + ('period',)).index(kind) if kind in RADIUS_KINDS + (
+      'period',) else 0, variant or ''
 
 
 def main(argv=None):
@@ -324,6 +495,12 @@ def main(argv=None):
   p.add_argument('--models', nargs='+', default=list(MODELS))
   p.add_argument('--workers', nargs='+', type=int, default=list(WORKERS))
   p.add_argument('--densities', nargs='+', type=float, default=list(DENSITIES))
+  p.add_argument('--methods', nargs='+', choices=METHODS,
+                 default=list(METHODS))
+  p.add_argument('--radius-densities', nargs='+', type=float,
+                 default=list(RADIUS_DENSITIES))
+  p.add_argument('--demo-topks', nargs='+', type=int,
+                 default=list(DEMO_TOPKS))
   p.add_argument('--plot-densities', nargs='+', type=float,
                  default=list(PLOT_DENSITIES))
   p.add_argument('--no-plot', action='store_true')
@@ -341,12 +518,17 @@ def main(argv=None):
   tasks = []
   for model in args.models:
     for n in args.workers:
-      tasks += [(model, n, m, None, None, dedupe) for m in ('adamw', 'adams')]
-      tasks += [(model, n, 'scape', d, ENCODINGS, dedupe)
-                for d in args.densities]
+      tasks += [(model, n, m, None, None, dedupe) for m in ('adamw', 'adams')
+                if m in args.methods]
+      settings = {'scape': args.densities, 'radius': args.radius_densities,
+                  'demo': args.demo_topks}
+      tasks += [(model, n, m, d, ENCODINGS if m == 'scape' else None, dedupe)
+                for m in ('scape', 'radius', 'demo') if m in args.methods
+                for d in settings[m]]
   table_keys = {(t[0], t[1], t[2], t[3]) for t in tasks}
   plotting = (not args.no_plot and PLOT_MODEL in args.models and
-              PLOT_N in args.workers)
+              PLOT_N in args.workers and
+              {'adamw', 'scape'} <= set(args.methods))
   if plotting:
     tasks += [(PLOT_MODEL, PLOT_N, 'scape', d, ENCODINGS, dedupe)
               for d in args.plot_densities
@@ -357,11 +539,12 @@ def main(argv=None):
   rows = finish(run_all(tasks, args.jobs))
   order = {m: i for i, m in enumerate(args.models)}
   rows.sort(key=lambda r: (order[r['model']], r['N'],
-                           ['adamw', 'adams', 'scape'].index(r['method']),
+                           METHODS.index(r['method']),
                            -(r['density'] or 2),
+                           _variant_order(r.get('variant')),
                            ENCODINGS.index(r['encoding'] or 'auto')))
   table = [r for r in rows if (r['model'], r['N'], r['method'],
-                               r['density']) in table_keys]
+                               r.get('setting', r['density'])) in table_keys]
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, 'comm_volume.csv'), 'w', newline='') as f:
     w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
