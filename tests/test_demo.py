@@ -21,7 +21,7 @@ from tests.mesh_runner import MeshRunner, random_params, worker_grads
 # Matrices, vectors, a scalar, rank 3, prime sides and leaves smaller than a
 # chunk (bloc97/DeMo issue 2: every shape must work).
 SHAPES = {'w': (12, 10), 'v': (6,), 'one': (1,), 's': (), 'x': (2, 3, 5),
-          'p': (7, 11), 'col': (9, 1)}
+          'p': (7, 11), 'col': (9, 1), 'empty': (0, 3)}
 
 
 def _demo_state(state):

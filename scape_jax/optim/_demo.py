@@ -347,11 +347,11 @@ def _exchange(indices, values, groups, axis_name) -> list:
   bounds = np.cumsum([0] + [p.size for p in parts])
   fast = []
   for i, group in enumerate(groups):
-    entries = (group.num_chunks, group.k)
+    entries = (gathered.shape[0], group.num_chunks, group.k)
     val = _from_bytes(gathered[:, bounds[2 * i]:bounds[2 * i + 1]],
-                      jnp.float32).reshape((-1,) + entries)
+                      jnp.float32).reshape(entries)
     idx = _from_bytes(gathered[:, bounds[2 * i + 1]:bounds[2 * i + 2]],
-                      group.index_dtype).reshape((-1,) + entries)
+                      group.index_dtype).reshape(entries)
     coef = scatter_mean(idx.astype(jnp.int32), val, group.chunk_size)
     fast.append(idct_blocks(coef, group.chunk_rows, group.chunk_cols))
   return fast
@@ -366,7 +366,7 @@ def _from_bytes(data: jax.Array, dtype) -> jax.Array:
   """uint8 [W, n * itemsize] -> dtype [W, n]."""
   width = jnp.dtype(dtype).itemsize
   if width > 1:
-    data = data.reshape(data.shape[0], -1, width)
+    data = data.reshape(data.shape[0], data.shape[1] // width, width)
   return jax.lax.bitcast_convert_type(data, dtype)
 
 
