@@ -122,7 +122,8 @@ def main():
       '',
       '![loss curves](bench/convergence.png)',
       '',
-      'This is a 300-step CPU run of a 131k-parameter model, not the paper\'s '
+      f'This is a {args.steps}-step CPU run of a 131k-parameter model, not '
+      'the paper\'s '
       '100k-step runs. At small scale and short horizons, SCAPE trails AdamS: '
       'a coordinate outside the mask moves only by weight decay until it is '
       'selected (see `docs/design.md`). The paper reports SCAPE matching '
