@@ -315,8 +315,8 @@ def _exchange_dense(local, residual, add_residual: bool, axis_name):
 def _exchange_sparse(local, residual, masks, plan: RadiusPlan, axis_name):
   """All-reduce of the values at the shared masks, plus the dense leaves.
 
-  One fp32 buffer of static shape: per sparse leaf its `slots` values
-  (empty slots send 0), then every dense leaf in full. Returns the mean
+  One fp32 buffer of static shape, in leaf order: each sparse leaf's `slots`
+  values (empty slots send 0), every other leaf in full. Returns the mean
   gradient (zero outside the masks) and the residual with the unsent part of
   the local gradient added.
   """
