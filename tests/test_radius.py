@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -240,22 +241,31 @@ def _final_state(cfg):
   return state
 
 
+def _resume_from(src, dst, step):
+  """A copy of run `src` whose latest checkpoint is `step`."""
+  shutil.copytree(src / 'ckpt', dst / 'ckpt')
+  for name in os.listdir(dst / 'ckpt'):
+    if name.isdigit() and int(name) > step:
+      shutil.rmtree(dst / 'ckpt' / name)
+
+
 def test_trainer_resumes_bit_exactly_and_logs_bytes_per_kind(corpus,
                                                              tmp_path):
   """Steps 1-2 dense, 3 resample, 4 sparse | resume | 5 sparse."""
-  straight = trainer.train(_cfg(corpus, tmp_path / 'a', '--config.steps=5'))
-  trainer.train(_cfg(corpus, tmp_path / 'b', '--config.steps=4'))
-  cfg = _cfg(corpus, tmp_path / 'b', '--config.steps=5')
-  resumed = trainer.train(cfg)
+  a = _cfg(corpus, tmp_path / 'a', '--config.steps=5',
+           '--config.ckpt_every=1')
+  straight = trainer.train(a)
+  _resume_from(tmp_path / 'a', tmp_path / 'b', 4)
+  b = _cfg(corpus, tmp_path / 'b', '--config.steps=5')
+  resumed = trainer.train(b)
   assert resumed['start_step'] == 4
-  rows = _train_rows(tmp_path / 'b')
-  assert [r['loss'] for r in rows] == straight['losses']  # bit for bit
-  a, b = _final_state(_cfg(corpus, tmp_path / 'a', '--config.steps=5')), (
-      _final_state(cfg))
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+  assert resumed['losses'] == straight['losses'][4:]  # bit for bit
+  for x, y in zip(jax.tree.leaves(_final_state(a)),
+                  jax.tree.leaves(_final_state(b)), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  residual = _radius_state(b['opt']).residual_norm
+  residual = _radius_state(_final_state(b)['opt']).residual_norm
   assert float(jnp.min(residual)) > 0  # the mask and residual were in use
+  rows = _train_rows(tmp_path / 'a')
   assert [r['residual_norm'] > 0 for r in rows] == [False] * 3 + [True] * 2
   sent = [r['comm_bytes'] for r in rows]
   assert sent[0] == sent[1] == sent[2] > 3 * sent[3] and sent[3] == sent[4]
