@@ -7,9 +7,9 @@ Each method declares, in one `MethodSpec` registered here:
   command line as `--config.optimizer.scape.density=0.01`;
 * `build`: how its optax transformation is made from the common optimizer
   keys, its section and the learning-rate schedule, and which static keyword
-  arguments `tx.update` takes at each step (SCAPE's density level; later
-  Radius's dense/sparse step and DiLoCo's inner/outer step). Each distinct
-  value is one compiled program;
+  arguments `tx.update` takes at each step (SCAPE's density level, Radius's
+  dense/sparse/resample step kind; later DiLoCo's inner/outer step). Each
+  distinct value is one compiled program;
 * `supports_fsdp` and `per_replica`: the parameter layouts it runs on
   (`scape_jax.sharding.Layout`);
 * `stats`: what it reports in the metrics besides loss and gradient norm.
@@ -20,6 +20,8 @@ docs/design.md, "Adding a method".
 """
 
 import dataclasses
+import fractions
+import math
 from typing import Any, Callable, NamedTuple, Optional
 
 import optax
@@ -27,6 +29,8 @@ import optax
 from scape_jax import outer as outer_lib
 from scape_jax.comm import collectives
 from scape_jax.optim import _adams as adams_lib
+from scape_jax.optim import _demo as demo_lib
+from scape_jax.optim import _radius as radius_lib
 from scape_jax.optim import _scape as scape_lib
 from scape_jax.comm.axes import DATA, FSDP_AXES, REPLICA
 
@@ -190,6 +194,72 @@ register(MethodSpec('scape', _build_scape, section=ScapeConfig,
                     stats=scape_lib.scape_stats,
                     summary='AdamS with a top-k sparsified, error-fed first '
                     'moment (SCAPE Algorithm 1)'))
+
+
+# ----------------------------------------------------------------------------
+# Radius.
+
+
+@dataclasses.dataclass(slots=True)
+class RadiusConfig:
+  # Fraction of each compressed leaf sent on sparse steps, in (0, 1].
+  density: float = radius_lib.DENSITY
+  # T: steps between resamples of the shared masks, >= 1.
+  interval: int = radius_lib.INTERVAL
+  # In [0, 1]: steps before threshold = ceil(dense_fraction * steps) are dense.
+  dense_fraction: float = radius_lib.DENSE_FRACTION
+  # r >= 0: each selected index i is widened to [i - r, i + r].
+  index_radius: int = 0
+
+
+def _radius_threshold(dense_fraction: float, total_steps: int) -> int:
+  if not 0.0 <= dense_fraction <= 1.0:
+    raise ValueError(f'dense_fraction={dense_fraction!r} must be in [0, 1].')
+  return math.ceil(fractions.Fraction(repr(float(dense_fraction))) *
+                   total_steps)
+
+
+def _build_radius(cfg, section: RadiusConfig, lr, ctx) -> Built:
+  schedule = radius_lib.RadiusSchedule(
+      section.interval,
+      _radius_threshold(section.dense_fraction, ctx.total_steps))
+  tx = radius_lib.radius(
+      lr, density=section.density, interval=schedule.interval,
+      threshold=schedule.threshold, index_radius=section.index_radius,
+      b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+      clip_norm=cfg.clip_norm if cfg.clip_norm > 0 else None,
+      axis_name=ctx.axis_name)
+  return Built(tx, lambda step: {'step_kind': schedule.kind(step)})
+
+
+register(MethodSpec('radius', _build_radius, section=RadiusConfig,
+                    stats=radius_lib.radius_stats,
+                    summary='AdamW on a top-k sparsified all-reduce with '
+                    'masks shared by every worker (Radius)'))
+
+
+# ----------------------------------------------------------------------------
+# DeMo.
+
+
+@dataclasses.dataclass(slots=True)
+class DemoConfig:
+  beta: float = demo_lib.BETA  # Momentum decay in [0, 1): m <- beta m + g.
+  # Chunk side per dimension; each uses its largest divisor <= chunk.
+  chunk: int = demo_lib.CHUNK
+  topk: int = demo_lib.TOPK  # DCT coefficients sent per chunk, [1, chunk**2].
+
+
+def _build_demo(cfg, section: DemoConfig, lr, ctx) -> Built:
+  return Built(demo_lib.demo(
+      lr, beta=section.beta, chunk=section.chunk, topk=section.topk,
+      weight_decay=cfg.weight_decay, axis_name=ctx.axis_name))
+
+
+register(MethodSpec('demo', _build_demo, section=DemoConfig,
+                    stats=demo_lib.demo_stats,
+                    summary='decoupled per-worker momentum synchronized '
+                    'through top-k DCT coefficients, sign update (DeMo)'))
 
 
 # ----------------------------------------------------------------------------
