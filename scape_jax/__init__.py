@@ -29,6 +29,7 @@ from scape_jax.optim import scale_by_radius
 from scape_jax.optim import scale_by_scape
 from scape_jax.optim import scape
 from scape_jax.optim import scape_stats
+from scape_jax.sharding.memory import state_shardings
 from scape_jax.sharding.placement import init_sharded
 from scape_jax.sharding.placement import place
 from scape_jax.sharding.specs import state_partition_specs
@@ -55,4 +56,5 @@ __all__ = [
     'scape',
     'scape_stats',
     'state_partition_specs',
+    'state_shardings',
 ]

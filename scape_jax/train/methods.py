@@ -21,9 +21,11 @@ docs/design.md, "Adding a method".
 
 import dataclasses
 import fractions
+import functools
 import math
 from typing import Any, Callable, NamedTuple, Optional
 
+import jax
 import optax
 
 from scape_jax import outer as outer_lib
@@ -33,6 +35,7 @@ from scape_jax.optim import _demo as demo_lib
 from scape_jax.optim import _radius as radius_lib
 from scape_jax.optim import _scape as scape_lib
 from scape_jax.comm.axes import DATA, FSDP_AXES, REPLICA
+from scape_jax.sharding import memory as sharding_memory
 
 DECAYS = ('cosine', 'constant')  # Learning-rate schedules after warmup.
 
@@ -177,6 +180,8 @@ class ScapeConfig:
   density: float = 0.01  # Fraction of each compressed leaf sent, in (0, 1].
   density_warmup_steps: int = 0  # Exponential warmup from density 1.
   mask_encoding: str = 'auto'  # One of comm.masks.ENCODINGS.
+  offload: bool = False  # The residual in host memory between steps.
+  offload_kind: str = sharding_memory.HOST  # Its memory kind when offloaded.
 
 
 def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
@@ -187,7 +192,11 @@ def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
       weight_decay=cfg.weight_decay,
       clip_norm=cfg.clip_norm if cfg.clip_norm > 0 else None,
       axis_name=ctx.axis_name, mask_encoding=section.mask_encoding)
-  return Built(tx, lambda step: {'density_level': schedule.level(step)})
+  kinds = (functools.partial(sharding_memory.offload_memory_kinds,
+                             kind=section.offload_kind)
+           if section.offload else None)
+  return Built(tx, lambda step: {'density_level': schedule.level(step)},
+               kinds)
 
 
 register(MethodSpec('scape', _build_scape, section=ScapeConfig,
@@ -315,8 +324,22 @@ def _outer_built(tx, schedule, inner: Built, offload: bool) -> Built:
     extra = inner.static_args(step) if inner.static_args else {}
     return dict(extra, phase=schedule.phase(step))
 
-  return Built(tx, static_args,
-               outer_lib.offload_memory_kinds if offload else None)
+  return Built(tx, static_args, _outer_memory_kinds(offload,
+                                                     inner.memory_kinds))
+
+
+def _outer_memory_kinds(offload: bool, inner_kinds):
+  """An outer state's memory kinds: its own offload, and the inner
+  method's (SCAPE's offloaded residual) on its inner state."""
+  if inner_kinds is None:
+    return outer_lib.offload_memory_kinds if offload else None
+
+  def kinds(state):
+    own = (outer_lib.offload_memory_kinds(state) if offload else
+           jax.tree.map(lambda _: sharding_memory.DEVICE, state))
+    return own._replace(inner=inner_kinds(state.inner))
+
+  return kinds
 
 
 def _build_diloco(cfg, section: DiLoCoConfig, lr, ctx) -> Built:
