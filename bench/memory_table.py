@@ -100,10 +100,11 @@ def markdown(rows) -> str:
   for r in rows:
     adams = base.get((r['config'], 'adams'))
     alg1 = base.get((r['config'], 'scape'))
-    over = (f'{(r["state_device_bytes"] - adams["state_device_bytes"]) / MB:,.0f}'
+    device = r['state_device_bytes']
+    over = (f'{(device - adams["state_device_bytes"]) / MB:,.0f}'
             if adams and r['mode'] != 'adams' else '')
     bound = (r['params'] / 4 + 10 * r['largest_leaf']) / MB
-    saved = (f'{(alg1["state_device_bytes"] - r["state_device_bytes"]) / r["params"]:.3f}'
+    saved = (f'{(alg1["state_device_bytes"] - device) / r["params"]:.3f}'
              if alg1 and r['mode'] not in ('adams', 'scape') else '')
     c = r.get('compiled')
     cells = ([f'{c["device_bytes"] / MB:,.0f}', f'{c["temp_bytes"] / MB:,.0f}',

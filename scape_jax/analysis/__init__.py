@@ -25,8 +25,9 @@ from scape_jax.analysis import traffic
 
 __all__ = [
     'KINDS', 'NOTE_IN_BRANCH', 'NOTE_TRIP_UNKNOWN', 'NOTE_UNREACHABLE',
-    'Collective', 'argument_bytes_by_kind', 'bytes_sent', 'collectives', 'collectives_from_hlo',
-    'dtype_bytes', 'format_table', 'host_argument_bytes', 'offloaded_bytes',
-    'replica_groups', 'ring_all_gather_bytes', 'ring_all_reduce_bytes',
+    'Collective', 'argument_bytes_by_kind', 'bytes_sent', 'collectives',
+    'collectives_from_hlo', 'dtype_bytes', 'format_table',
+    'host_argument_bytes', 'offloaded_bytes', 'replica_groups',
+    'ring_all_gather_bytes', 'ring_all_reduce_bytes',
     'ring_reduce_scatter_bytes', 'traffic',
 ]

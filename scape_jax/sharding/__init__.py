@@ -24,8 +24,8 @@ from scape_jax.sharding.specs import with_replica_axis
 
 __all__ = [
     'BATCH_AXES', 'DATA', 'FSDP', 'FSDP_AXES', 'FcdpOptions', 'LOGICAL_RULES',
-    'Layout', 'MESH_AXES', 'NODE', 'REPLICA', 'TENSOR', 'available_memory_kinds',
-    'fcdp', 'init_sharded', 'make_mesh', 'offload_memory_kinds',
-    'param_partition_specs', 'place', 'state_partition_specs',
-    'state_shardings', 'with_replica_axis',
+    'Layout', 'MESH_AXES', 'NODE', 'REPLICA', 'TENSOR',
+    'available_memory_kinds', 'fcdp', 'init_sharded', 'make_mesh',
+    'offload_memory_kinds', 'param_partition_specs', 'place',
+    'state_partition_specs', 'state_shardings', 'with_replica_axis',
 ]
