@@ -16,7 +16,8 @@ import numpy as np
 from scape_jax import analysis
 from scape_jax.train import config as config_lib
 from scape_jax.train import step as step_lib
-from scape_jax.train.checkpoint import Checkpointer
+from scape_jax.train import convert
+from scape_jax.train.checkpoint import CheckpointError, Checkpointer
 from scape_jax.train.metrics import MetricsLogger, Progress, plot_loss
 from scape_jax.train import program as program_lib
 from scape_jax.train.program import Program, build_program
@@ -179,7 +180,10 @@ def _init_or_restore(program: Program, ckpt: Checkpointer, iterator):
   if not start:
     return (0,) + program.init_state()
   target = {'params': program.abstract_params, 'opt': program.abstract_opt}
-  state, extras = ckpt.restore(start, target)
+  try:
+    state, extras = ckpt.restore(start, target)
+  except CheckpointError as e:  # saved in the other SCAPE mode?
+    state, extras = convert.restore_other_mode(program, ckpt, start, e)
   iterator.set_state(extras['data'])
   return start, state['params'], state['opt']
 
