@@ -288,8 +288,9 @@ def _loop(cfg, program: Program, programs: StepPrograms, feed: _DataFeed,
       fn, nbytes = programs(step)
       params, opt_state, metrics = fn(params, opt_state, feed.next())
       done = step + 1
-      reporter.record(done, dict(metrics, comm_bytes=nbytes,
-                                 **program.method.stats(opt_state)))
+      # Copies: the next step donates (and deletes) the state's buffers.
+      stats = jax.tree.map(jnp.copy, program.method.stats(opt_state))
+      reporter.record(done, dict(metrics, comm_bytes=nbytes, **stats))
       try:
         in_flight.push(done, metrics)
         signum = signals.requested()
