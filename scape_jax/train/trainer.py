@@ -294,7 +294,8 @@ def _loop(cfg, program: Program, programs: StepPrograms, feed: _DataFeed,
       try:
         in_flight.push(done, metrics)
         signum = signals.requested()
-        if _checkpoint_due(cfg, done) or signum:
+        saving = _checkpoint_due(cfg, done) or signum is not None
+        if saving:
           in_flight.drain()  # a checkpoint only of steps known finite
       except guard.DivergedError:
         reporter.flush()
@@ -305,7 +306,7 @@ def _loop(cfg, program: Program, programs: StepPrograms, feed: _DataFeed,
       if cfg.eval_every and done % cfg.eval_every == 0:
         last_eval = eval_loss()
         reporter.eval(done, last_eval)
-      if _checkpoint_due(cfg, done) or signum:
+      if saving:
         save(done, params, opt_state)
       if signum and done < cfg.steps:
         raise preemption.Interrupted(signum, done, (
