@@ -7,18 +7,19 @@ step is dispatched, the step `depth` places back is waited for. Each step's
 in step order, to count non-finite steps; `max_bad_steps` in a row raise
 `DivergedError`.
 
-Why the bound is needed, not only nice: XLA's CPU client runs a program with
-collectives on all local devices at once, one pool thread per device, and
-its pool has as many threads as devices. It also limits each device to 32
-computations in flight by blocking the thread that enqueues the 33rd, which
-is a thread of that same pool. With more than about 32 steps dispatched
-ahead (e.g. `log_every=100`, nothing read in between), one pool thread
-waits for a slot on device k while device k's oldest step waits for a pool
-thread, and the other devices wait in that step's all-reduce: XLA aborts
-after its collective timeout ("Expected 8 threads to join the rendezvous,
-but only 7 of them arrived"), or hangs forever with the timeout raised. A
-bound of a few steps keeps every device busy (the host prepares step t+1
-while t runs) and far from that limit on every backend.
+Why the bound is needed, not only nice: XLA's CPU client (PjRtCpuClient)
+runs a program with collectives on all local devices at once, each on a
+thread of one pool of max(cores, devices) threads, so that on a small
+machine every thread of the pool takes part. It also limits each device to
+32 computations in flight by blocking the thread that enqueues the 33rd,
+and that is a thread of the same pool. With more than about 32 steps
+dispatched ahead (e.g. `log_every=100` and nothing read in between), one
+pool thread waits for a slot on device k while device k's oldest step waits
+for a pool thread, and the other devices wait in that step's all-reduce:
+XLA aborts after its collective timeout ("Expected 8 threads to join the
+rendezvous, but only 7 of them arrived on time"), or hangs forever with the
+timeout raised. A bound of two steps still lets the host prepare step t+1
+while step t runs, and stays far from that limit on every backend.
 """
 
 import collections
@@ -26,9 +27,8 @@ from typing import Callable, Optional
 
 import jax
 
-# Steps dispatched but not yet waited for. Two keep the devices fed while
-# the host prepares the next batch; any value well under 32 avoids the CPU
-# deadlock described above.
+# Steps dispatched but not yet waited for: the host prepares the next step
+# while one runs; any value well under 32 avoids the CPU deadlock above.
 MAX_STEPS_IN_FLIGHT = 2
 
 
