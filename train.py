@@ -19,6 +19,7 @@ import sys
 
 EXIT_USAGE = 2  # a mistake in the config, the data or a checkpoint
 EXIT_DIVERGED = 3  # max_bad_steps non-finite steps in a row
+EXIT_SIGINT = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 
 def parse_args(argv):
@@ -96,6 +97,10 @@ def main(argv=None) -> int:
   except trainer.Interrupted as e:
     print(f'stopped: {e}', file=sys.stderr)
     return e.exit_code
+  except KeyboardInterrupt:  # before the first step, or a second Ctrl-C
+    print('interrupted: stopped at once; the same command resumes from the '
+          'last checkpoint', file=sys.stderr)
+    return EXIT_SIGINT
   return 0
 
 
