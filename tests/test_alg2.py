@@ -10,12 +10,11 @@
 * a mesh whose data axis does not match the state's chunking is refused;
 * bf16 compute parameters with the fp32 replica track the fp32 run within
   `BF16_TOL`, and the compute copy is always the replica's cast;
-* an Algorithm 1 checkpoint resumes in the distributed mode (converted).
+* an Algorithm 1 checkpoint resumes in the distributed mode, converted
+  (through the trainer, in tests/test_offload.py, which has the run).
 """
 
 import functools
-import os
-import shutil
 
 import jax
 import numpy as np
@@ -26,12 +25,8 @@ from jax.sharding import PartitionSpec as P
 
 import scape_jax
 from scape_jax import analysis
-from scape_jax import train as trainer
 from scape_jax.comm import masks
-from scape_jax.data.prepare import make_synthetic_corpus
 from scape_jax.optim import _scape_dist
-from scape_jax.train import checkpoint
-from scape_jax.train import config as config_lib
 
 N, STEPS, DENSITY = 8, 20, 0.1
 HOST = 'pinned_host'
@@ -213,44 +208,3 @@ def test_bf16_compute_with_fp32_replica_tracks_the_fp32_run():
     err = float(np.linalg.norm(replica[k] - final[k]) /
                 np.linalg.norm(final[k] - p))
     assert err <= BF16_TOL['dense' if p.ndim < 2 else 'compressed'], (k, err)
-
-
-# ----------------------------------------------------------------------------
-# Through the trainer: a checkpoint of Algorithm 1 resumes in the
-# distributed mode (converted), with Algorithm 1's losses.
-
-
-@pytest.fixture(scope='module')
-def corpus(tmp_path_factory):
-  path = str(tmp_path_factory.mktemp('corpus'))
-  make_synthetic_corpus(path, num_tokens=1 << 15)
-  return path
-
-
-def _train_cfg(corpus, out_dir, distributed, steps):
-  return config_lib.load(None, [
-      f'--config.data.corpus={corpus}', f'--config.out_dir={out_dir}',
-      '--config.model.dtype=float32', '--config.data.seq_len=16',
-      '--config.data.batch_size=16', '--config.eval_batches=1',
-      '--config.eval_every=0', '--config.log_every=1', '--config.ckpt_every=2',
-      '--config.optimizer.decay=constant', '--config.optimizer.warmup_steps=0',
-      '--config.optimizer.lr=3e-3', f'--config.steps={steps}',
-      '--config.optimizer.name=scape', '--config.optimizer.scape.density=0.1',
-      f'--config.optimizer.scape.distributed={distributed}'])
-
-
-def test_an_algorithm_1_checkpoint_resumes_in_the_distributed_mode(
-    corpus, tmp_path):
-  straight = trainer.train(_train_cfg(corpus, tmp_path / 'a', False, 4))
-  shutil.copytree(tmp_path / 'a' / 'ckpt', tmp_path / 'b' / 'ckpt')
-  shutil.rmtree(tmp_path / 'b' / 'ckpt' / '4')  # resume from step 2
-  resumed = trainer.train(_train_cfg(corpus, tmp_path / 'b', True, 4))
-  assert resumed['start_step'] == 2
-  assert resumed['losses'][0] == straight['losses'][2]  # restored exactly
-  np.testing.assert_allclose(resumed['losses'], straight['losses'][2:],
-                             rtol=1e-6)
-  program = trainer.build_program(_train_cfg(corpus, tmp_path / 'b', True, 4))
-  target = {'params': program.abstract_params, 'opt': program.abstract_opt}
-  with checkpoint.Checkpointer(os.path.join(tmp_path / 'b', 'ckpt')) as ckpt:
-    state, _ = ckpt.restore(4, target)
-  assert isinstance(state['opt'][0], scape_jax.ScaleByScapeDistState)

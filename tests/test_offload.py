@@ -7,7 +7,8 @@
 * through the trainer (donated step, static density levels): a run
   resumed with offload from a device-resident checkpoint has the losses and
   state of the run without offload, bit for bit, and its checkpoint
-  restores into device memory again;
+  restores into device memory again; one of Algorithm 1 resumes in the
+  distributed mode (Algorithm 2), converted;
 * a memory kind the backend lacks is a clear error naming the kinds it has.
 """
 
@@ -170,19 +171,27 @@ def _resume_from(src, dst, step):
       shutil.rmtree(dst / 'ckpt' / name)
 
 
-def test_trainer_offload_is_exact_and_resumes(corpus, tmp_path):
+@pytest.fixture(scope='module')
+def plain(corpus, tmp_path_factory):
+  """(out_dir, summary) of 4 device-resident Algorithm 1 steps, saved at 2
+  and 4; the runs below resume from a copy of its step 2."""
+  out = tmp_path_factory.mktemp('plain')
+  return out, trainer.train(_cfg(corpus, out, False))
+
+
+def test_trainer_offload_is_exact_and_resumes(corpus, plain, tmp_path):
   """Device-resident steps 1-2 | restored into host memory | steps 3-4."""
-  plain = trainer.train(_cfg(corpus, tmp_path / 'plain', False))
-  _resume_from(tmp_path / 'plain', tmp_path / 'off', 2)
+  plain_dir, straight = plain
+  _resume_from(plain_dir, tmp_path / 'off', 2)
   resumed = trainer.train(_cfg(corpus, tmp_path / 'off', True))
   assert resumed['start_step'] == 2
-  assert resumed['losses'] == plain['losses'][2:]  # donated, bit for bit
+  assert resumed['losses'] == straight['losses'][2:]  # donated, bit for bit
 
   host = trainer.build_program(_cfg(corpus, tmp_path / 'off', True))
-  device = trainer.build_program(_cfg(corpus, tmp_path / 'plain', False))
+  device = trainer.build_program(_cfg(corpus, plain_dir, False))
   assert host.abstract_opt[0].residual['lm_head']['kernel'].sharding \
       .memory_kind == HOST
-  a = _restored(tmp_path / 'plain', device, 4)
+  a = _restored(plain_dir, device, 4)
   b = _restored(tmp_path / 'off', host, 4)
   assert _residual_kinds(b['opt']) == {HOST}
   assert np.abs(np.asarray(b['opt'][0].residual['lm_head']['kernel'])).max(
@@ -192,6 +201,23 @@ def test_trainer_offload_is_exact_and_resumes(corpus, tmp_path):
   # Across modes: the same layout in another memory kind.
   crossed = _restored(tmp_path / 'off', device, 4)
   assert _residual_kinds(crossed['opt']) == {'device'}
+
+
+def test_an_algorithm_1_checkpoint_resumes_in_the_distributed_mode(
+    corpus, plain, tmp_path):
+  """Algorithm 2 (tests/test_alg2.py) from Algorithm 1's step 2, converted."""
+  plain_dir, straight = plain
+  _resume_from(plain_dir, tmp_path / 'dist', 2)
+  dist = ('--config.optimizer.scape.distributed=true',)
+  resumed = trainer.train(_cfg(corpus, tmp_path / 'dist', False, *dist))
+  assert resumed['start_step'] == 2
+  assert resumed['losses'][0] == straight['losses'][2]  # restored exactly
+  np.testing.assert_allclose(resumed['losses'], straight['losses'][2:],
+                             rtol=1e-6)
+  program = trainer.build_program(_cfg(corpus, tmp_path / 'dist', False,
+                                       *dist))
+  state = _restored(tmp_path / 'dist', program, 4)
+  assert isinstance(state['opt'][0], scape_jax.ScaleByScapeDistState)
 
 
 def test_offload_to_a_missing_kind_is_a_config_error(corpus, tmp_path):
