@@ -13,10 +13,19 @@ the final level, `DensitySchedule(d, 0).level(1)`.
 
 At N=1 a "chunk" is the whole leaf, so the top-k runs over every element; with
 N workers each worker's top-k covers only its 1/N chunk, while the gathers and
-scatters still cover the whole leaf. The figures are CPU figures.
+scatters still cover the whole leaf. The figures are CPU figures unless the
+script runs on another backend (the header line says which).
+
+Besides the update, for each SCAPE density the script times the selection of
+the next mask alone, over every compressed leaf: with `lax.top_k`
+(`masks.chunk_topk_bits`, the sort path) and with the default `select` of
+`scape_jax.comm.topk.chunk_topk_words` (the sort-free threshold search), for
+N=1 and for one of N=32 workers; and it reports each compiled update's
+`memory_analysis().temp_size_in_bytes`, also in units of the fp32 tree.
 
   python bench/optimizer_overhead.py                 # llama-tiny + ~100M tree
   python bench/optimizer_overhead.py --trees llama-tiny --repeats 21
+  python bench/optimizer_overhead.py --sort-rows     # + SCAPE with select='sort'
 """
 
 import argparse
@@ -41,6 +50,7 @@ from flax import nnx  # noqa: E402
 import models  # noqa: E402
 import scape_jax  # noqa: E402
 from scape_jax.comm import masks  # noqa: E402
+from scape_jax.comm import topk  # noqa: E402
 
 OUT = os.path.join(ROOT, 'docs', 'bench')
 LR, B1, B2, WD = 1e-3, 0.9, 0.95, 0.1
@@ -71,34 +81,47 @@ def param_tree(name: str, seed: int = 0):
   return make(keys)
 
 
-def methods(densities):
+def methods(densities, sort_rows=False):
   """name -> (transformation, kwargs of the timed update, of the first one)."""
   out = {
       'optax.adamw': (optax.adamw(LR, b1=B1, b2=B2, weight_decay=WD), {}, {}),
       'adams': (scape_jax.adams(LR, b1=B1, b2=B2, weight_decay=WD), {}, {}),
   }
+  selects = ['auto'] + (['sort'] if sort_rows else [])
   for d in densities:
-    tx = scape_jax.scape(LR, density=d, b1=B1, b2=B2, weight_decay=WD,
-                         axis_name=None)
-    level = scape_jax.DensitySchedule(d, 0).level(1)
-    out[f'scape d={d:g}'] = (tx, {'density_level': level},
-                             {'density_level': 0})
+    for select in selects if d < 1 else ['auto']:
+      tx = scape_jax.scape(LR, density=d, b1=B1, b2=B2, weight_decay=WD,
+                           axis_name=None, select=select)
+      level = scape_jax.DensitySchedule(d, 0).level(1)
+      name = f'scape d={d:g}' + ('' if select == 'auto' else
+                                 f' select={select}')
+      out[name] = (tx, {'density_level': level}, {'density_level': 0})
   return out
 
 
-def topk_seconds(params, density: float, n: int) -> float:
-  """Time of one worker's top-k mask selection alone, over every compressed
-  leaf (ndim >= 2), its chunk 0 of the layout over `n` workers."""
+# The selection alone: lax.top_k (the sort path, today's column) and the
+# default `select` of comm.topk ('auto': the sort-free threshold search).
+SELECTIONS = {'topk': 'lax.top_k', 'select': 'comm.topk default select'}
+
+
+def selection_seconds(params, density: float, n: int, how: str) -> float:
+  """Time of one worker's next-mask selection alone, over every compressed
+  leaf (ndim >= 2), its chunk 0 of the layout over `n` workers; `how` is a
+  key of SELECTIONS."""
   leaves = [x for x in jax.tree.leaves(params) if x.ndim >= 2]
-  lays = [masks.LeafLayout.create(x.size, n) for x in leaves]
-  ks = [masks.chunk_k(density, lay.chunk_size) for lay in lays]
+  layouts = [masks.LeafLayout.create(x.size, n) for x in leaves]
+  ks = [masks.chunk_k(density, layout.chunk_size) for layout in layouts]
 
-  @jax.jit
-  def select(leaves):
-    return [masks.chunk_topk_bits(
-        jnp.abs(lay.to_chunks(x)[0]), jnp.ones((lay.chunk_size,), bool), k,
-        jnp.int32(k)) for x, lay, k in zip(leaves, lays, ks)]
+  def one(x, layout, k):
+    chunk = layout.to_chunks(x)[0]
+    if how == 'topk':
+      return masks.chunk_topk_bits(jnp.abs(chunk),
+                                   jnp.ones((layout.chunk_size,), bool), k,
+                                   jnp.int32(k))
+    return topk.chunk_topk_words(chunk, layout.chunk_size, k, k)
 
+  select = jax.jit(lambda leaves: [
+      one(x, layout, k) for x, layout, k in zip(leaves, layouts, ks)])
   t0 = time.perf_counter()
   jax.block_until_ready(select(leaves))  # Compile (and run once).
   number = 3 if time.perf_counter() - t0 < 5 else 1
@@ -115,29 +138,31 @@ def nbytes(tree) -> int:
              if hasattr(x, 'dtype'))
 
 
-def bench_tree(name: str, densities, repeats=None) -> list:
+def bench_tree(name: str, densities, repeats=None, sort_rows=False) -> list:
   """Times every method on one tree; returns one row per method.
 
   Small trees (< 10M parameters) take 21 samples of 20 calls each, large ones
   5 samples of one call, unless `repeats` says otherwise. SCAPE rows also get
-  the time of the top-k selection alone, at N=1 (what the update does here)
-  and at N=32 (one worker's 1/32 chunk of every leaf).
+  the time of the selection alone (SELECTIONS), at N=1 (what the update does
+  here) and at N=32 (one worker's 1/32 chunk of every leaf).
   """
   params, grads = param_tree(name)
-  densities = {f'scape d={d:g}': d for d in densities}
   n_params = sum(x.size for x in jax.tree.leaves(params))
   small = n_params < 10_000_000
   repeats = repeats or (21 if small else 5)
   number = 20 if small else 1
-  fns, states = {}, {}
-  for label, (tx, kw, first_kw) in methods(densities.values()).items():
+  fns, states, temps, density = {}, {}, {}, {}
+  for label, (tx, kw, first_kw) in methods(densities, sort_rows).items():
     state = jax.jit(tx.init)(params)
     if first_kw:  # The dense first step, so that the mask is a real top-k.
       _, state = jax.jit(functools.partial(tx.update, **first_kw))(
           grads, state, params)
-    fn = jax.jit(functools.partial(tx.update, **kw))
+      density[label] = float(label.split()[1][2:])
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(grads, state, params))  # Compile + warm up.
+    fn = jax.jit(functools.partial(tx.update, **kw)).lower(
+        grads, state, params).compile()
+    temps[label] = fn.memory_analysis().temp_size_in_bytes
+    jax.block_until_ready(fn(grads, state, params))  # Warm up.
     compile_s = time.perf_counter() - t0
     if compile_s < 5:  # A second warm-up call where it is cheap.
       jax.block_until_ready(fn(grads, state, params))
@@ -159,34 +184,48 @@ def bench_tree(name: str, densities, repeats=None) -> list:
         'tree': name, 'params': n_params, 'method': label,
         'median_ms': 1e3 * med, 'q1_ms': 1e3 * q[0], 'q3_ms': 1e3 * q[2],
         'ratio_vs_adamw': med / base, 'repeats': repeats, 'number': number,
-        'state_bytes': nbytes(states[label]),
-        'compile_s': fns[label][1], 'topk_ms_N1': None, 'topk_ms_N32': None})
-    if label.startswith('scape') and densities[label] < 1.0:
-      for n in (1, 32):
-        rows[-1][f'topk_ms_N{n}'] = 1e3 * topk_seconds(
-            params, densities[label], n)
-    topk = ''.join(f'  top-k N={n}: {rows[-1][f"topk_ms_N{n}"]:.3f} ms'
-                   for n in (1, 32) if rows[-1][f'topk_ms_N{n}'] is not None)
-    print(f'  {name:>10} {label:<14} median {1e3 * med:10.3f} ms  '
+        'state_bytes': nbytes(states[label]), 'temp_bytes': temps[label],
+        'temp_vs_fp32_tree': temps[label] / (4 * n_params),
+        'compile_s': fns[label][1]})
+    rows[-1].update({f'{how}_ms_N{n}': None for how in SELECTIONS
+                     for n in (1, 32)})
+    rows[-1]['select_N32_vs_adamw'] = None
+    if label in density and density[label] < 1.0 and 'select=' not in label:
+      for how in SELECTIONS:
+        for n in (1, 32):
+          rows[-1][f'{how}_ms_N{n}'] = 1e3 * selection_seconds(
+              params, density[label], n, how)
+      rows[-1]['select_N32_vs_adamw'] = rows[-1]['select_ms_N32'] / (1e3 * base)
+    alone = ''.join(f'  {how} N={n}: {rows[-1][f"{how}_ms_N{n}"]:.3f} ms'
+                    for how in SELECTIONS for n in (1, 32)
+                    if rows[-1][f'{how}_ms_N{n}'] is not None)
+    print(f'  {name:>10} {label:<22} median {1e3 * med:10.3f} ms  '
           f'[{1e3 * q[0]:.3f}, {1e3 * q[2]:.3f}]  x{med / base:.2f} vs adamw  '
-          f'state {rows[-1]["state_bytes"] / 2**20:.1f} MiB{topk}', flush=True)
+          f'state {rows[-1]["state_bytes"] / 2**20:.1f} MiB  temp '
+          f'{temps[label] / 2**20:.1f} MiB{alone}', flush=True)
   return rows
 
 
 def markdown(rows) -> str:
   lines = ['| tree | params | method | median ms | IQR ms | vs optax.adamw | '
-           'optimizer state MiB | top-k alone, N=1 ms | top-k alone, one of '
-           'N=32 workers ms |', '|' + '---|' * 9]
+           'optimizer state MiB | update temporaries MiB (x fp32 tree) | '
+           'top-k alone, N=1 ms | top-k alone, one of N=32 workers ms | '
+           'select alone, N=1 ms | select alone, one of N=32 workers ms | '
+           'select, one of N=32, vs adamw update |', '|' + '---|' * 13]
 
   def ms(x):
     return '-' if x is None else f'{x:.3f}'
 
   for r in rows:
+    ratio = r['select_N32_vs_adamw']
     lines.append(
         f'| {r["tree"]} | {r["params"] / 1e6:.2f}M | {r["method"]} | '
         f'{r["median_ms"]:.3f} | {r["q1_ms"]:.3f}-{r["q3_ms"]:.3f} | '
         f'{r["ratio_vs_adamw"]:.2f}x | {r["state_bytes"] / 2**20:.1f} | '
-        f'{ms(r["topk_ms_N1"])} | {ms(r["topk_ms_N32"])} |')
+        f'{r["temp_bytes"] / 2**20:.1f} ({r["temp_vs_fp32_tree"]:.2f}) | '
+        f'{ms(r["topk_ms_N1"])} | {ms(r["topk_ms_N32"])} | '
+        f'{ms(r["select_ms_N1"])} | {ms(r["select_ms_N32"])} | '
+        f'{"-" if ratio is None else f"{ratio:.2f}x"} |')
   return '\n'.join(lines)
 
 
@@ -198,14 +237,18 @@ def main(argv=None):
                  default=[1.0, 0.1, 0.01])
   p.add_argument('--repeats', type=int, default=None,
                  help='timed samples per method (default: 21 tiny, 7 large)')
+  p.add_argument('--sort-rows', action='store_true',
+                 help="also time SCAPE with select='sort' (lax.top_k; slow)")
   p.add_argument('--out', default=OUT)
   args = p.parse_args(argv)
   t0 = time.perf_counter()
-  print(f'jax {jax.__version__} on {jax.devices()[0].platform} '
-        f'({os.cpu_count()} CPU cores); times are CPU times.', flush=True)
+  platform = jax.devices()[0].platform
+  print(f'jax {jax.__version__} on {platform} ({os.cpu_count()} CPU cores, '
+        f'{jax.devices()[0].device_kind}); default select on {platform}: '
+        f'{topk.AUTO_SELECT.get(platform, "threshold")}.', flush=True)
   rows = []
   for name in args.trees:
-    rows += bench_tree(name, args.densities, args.repeats)
+    rows += bench_tree(name, args.densities, args.repeats, args.sort_rows)
   elapsed = time.perf_counter() - t0
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, 'optimizer_overhead.csv'), 'w',
@@ -217,7 +260,9 @@ def main(argv=None):
     json.dump({'meta': {
         'command': ' '.join(['python', 'bench/optimizer_overhead.py'] + (
             sys.argv[1:] if argv is None else argv)),
-        'jax': jax.__version__, 'device': 'cpu', 'cpu_count': os.cpu_count(),
+        'jax': jax.__version__, 'device': platform,
+        'device_kind': jax.devices()[0].device_kind,
+        'cpu_count': os.cpu_count(),
         'wall_s': elapsed}, 'rows': rows}, f, indent=1)
   command = ' '.join(['python', 'bench/optimizer_overhead.py'] + (
       sys.argv[1:] if argv is None else argv))
