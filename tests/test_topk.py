@@ -143,3 +143,52 @@ def test_rejects_bad_select_and_width():
     topk.chunk_topk_words(jnp.ones(8), 8, 2, 2, select='fast')
   with pytest.raises(ValueError, match=r'width=9 must be in \[1, 8\]'):
     topk.chunk_topk_words(jnp.ones(8), 8, 9, 2)
+
+
+def test_chunk_over_two_million_takes_the_grouped_paths():
+  # Past 128 * 128 rows of 128 (2**21 entries) the candidate rows are found
+  # group by group (`_first_nonzero`'s long path): a chunk of llama-100m's
+  # size class at N=1.
+  c = (1 << 21) + 3001
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=c).astype(np.float32)
+  x[rng.random(c) < 0.2] = 0.25  # a heavy tie inside the top 10%
+  for num_valid, k in [(c, c // 10), (c - 5000, c // 100), (c, 7)]:
+    got = _selector('threshold')(jnp.asarray(x), jnp.int32(num_valid),
+                                 jnp.int32(k))
+    np.testing.assert_array_equal(np.asarray(got),
+                                  _numpy_words(x, num_valid, k),
+                                  err_msg=f'n={num_valid} k={k}')
+
+
+def _passes(x, k, monkeypatch):
+  """Counting passes over the chunk that the 'threshold' search makes."""
+  calls = []
+  count = topk._jnp_count
+
+  def counted(*args):
+    jax.debug.callback(lambda: calls.append(1))
+    return count(*args)
+
+  monkeypatch.setattr(topk, '_jnp_count', counted)
+  run = jax.jit(lambda x, k: topk.threshold_topk_words(x, x.shape[0], k))
+  words = run(jnp.asarray(x), jnp.int32(k))
+  jax.effects_barrier()
+  np.testing.assert_array_equal(np.asarray(words),
+                                _numpy_words(x, x.size, k))
+  return len(calls)
+
+
+@pytest.mark.parametrize('kind', ['normal', 'quantised', 'binades'])
+def test_the_search_needs_few_passes(kind, monkeypatch):
+  # The cost model of docs/design.md: a handful of counting passes on smooth
+  # data, and a bounded number on data made of a few heavy ties spread over
+  # many binades (the interpolation is useless there).
+  rng = np.random.default_rng(11)
+  c = 1 << 20
+  x = _data('normal' if kind == 'binades' else kind, c, rng)
+  if kind == 'binades':
+    x = np.ldexp(1.0, -rng.integers(0, 100, c)).astype(np.float32)
+  bound = 6  # 2 to 4 counting passes measured at these seeds
+  for k in (c // 10, c // 100, 1):
+    assert _passes(x, k, monkeypatch) <= bound, (kind, k)

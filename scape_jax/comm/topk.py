@@ -19,16 +19,16 @@ Selections (`SELECTS`):
 
   * 'sort': `lax.top_k` (or a stable argsort when width = c) on the keys.
     XLA sorts the whole operand for large k.
-  * 'threshold': pure jnp. The k-th largest key T is found by counting keys
-    against two thresholds per pass: the first two come from a sorted
-    sample of the chunk, the next from linear interpolation of the
-    counts inside the bracket. When a pass does not halve the key range,
-    the next one probes its two ends (a heavy tie at either end: T is
-    found), and the one after splits the range in three. Once the bracket holds at most
-    `FINISH_ROWS` candidates, the rows that hold them are gathered and
+  * 'threshold': pure jnp. The k-th largest key T is bracketed by counting
+    passes, each a fused compare-and-count of the chunk against two
+    thresholds: sampled keys around the sample's estimate of T first, then
+    where the line through the bracket's counts (linear in |x|) reaches k,
+    with a margin that widens after a miss, and after two passes without
+    progress a ternary split of the key range (`_search`). Once at most
+    `FINISH` candidates are left, the rows that hold them are gathered and
     sorted. Ties at T are cut at the offset where the count of chosen ties
-    reaches k. About 6 passes over the chunk for smooth data, at most ~45
-    for adversarial data; every pass is a fused compare-and-count.
+    reaches k, and one mask pass emits the packed words. A handful of passes
+    on smooth data (`tests/test_topk.py` bounds them).
   * 'pallas': the same search with the counting and mask passes as Pallas
     kernels (`scape_jax.kernels.topk_mask`); Triton on GPU, Mosaic on TPU.
   * 'auto': `AUTO_SELECT[platform]`, resolved when the program is lowered

@@ -53,7 +53,8 @@ def pack_bits_reference(bits: jax.Array) -> jax.Array:
   """Pure-jnp `pack_bits`."""
   n, c = bits.shape
   words = -(-c // 32)
-  padded = jnp.pad((bits != 0).astype(jnp.uint32), ((0, 0), (0, 32 * words - c)))
+  padded = jnp.pad((bits != 0).astype(jnp.uint32),
+                   ((0, 0), (0, 32 * words - c)))
   return jnp.sum(padded.reshape(n, words, 32)
                  << jnp.arange(32, dtype=jnp.uint32), axis=-1,
                  dtype=jnp.uint32)
