@@ -19,7 +19,7 @@ script runs on another backend (the header line says which).
 SCAPE runs with its default `select` ('auto': `comm.topk.AUTO_SELECT` of the
 platform). Besides the update, for each SCAPE density < 1 the script times
 the selection of the next mask alone, over every compressed leaf: with
-`lax.top_k` (`masks.chunk_topk_bits`, the selection before issue 9) and with
+`lax.top_k` on |x| in fp32 (the selection before issue 9) and with
 the default `select` of `comm.topk.chunk_topk_words`, for N=1 and for one of
 N=32 workers (its chunk 0, 1/32 of every leaf), the latter also as a ratio
 to adamw's full update. It reports every compiled update's
@@ -129,8 +129,9 @@ def temp_bytes(tx, kwargs, params, grads) -> int:
   return compiled.memory_analysis().temp_size_in_bytes
 
 
-# The selection alone: lax.top_k (the sort path, the pre-existing column) and
-# the default `select` of comm.topk ('auto': the sort-free threshold search).
+# The selection alone: lax.top_k on |x| in fp32 (the selection before issue
+# 9; XLA:CPU has a fast top-k for fp32 operands only) and the default
+# `select` of comm.topk ('auto': the sort-free threshold search).
 SELECTIONS = {'topk': 'lax.top_k', 'select': 'comm.topk default select'}
 
 
@@ -144,10 +145,9 @@ def selection_seconds(params, density: float, n: int, how: str) -> float:
 
   def one(x, layout, k):
     chunk = layout.to_chunks(x)[0]
-    if how == 'topk':
-      return masks.chunk_topk_bits(jnp.abs(chunk),
-                                   jnp.ones((layout.chunk_size,), bool), k,
-                                   jnp.int32(k))
+    if how == 'topk':  # As before issue 9: lax.top_k on |x| in fp32.
+      _, order = jax.lax.top_k(jnp.abs(chunk), k)
+      return jnp.zeros((layout.chunk_size,), bool).at[order].set(True)
     return topk.chunk_topk_words(chunk, layout.chunk_size, k, k)
 
   select = jax.jit(lambda leaves: [
