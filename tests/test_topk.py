@@ -83,6 +83,7 @@ def test_sort_path_equals_the_mask_reference_and_its_top_k_width():
     bits = masks.chunk_topk_bits(jnp.asarray(x), jnp.asarray(valid), width,
                                  jnp.int32(k))
     expected = np.asarray(masks.pack_bits(bits))
+    np.testing.assert_array_equal(expected, _numpy_words(x, 450, k))
     for select in ('sort', 'threshold'):
       got = _selector(select, width)(jnp.asarray(x), jnp.int32(450),
                                      jnp.int32(k))
@@ -104,6 +105,14 @@ def test_nan_and_inf_rank_above_every_finite_value():
       got = _selector(select)(jnp.asarray(x), jnp.int32(8), jnp.int32(k))
       np.testing.assert_array_equal(np.asarray(got), expected,
                                     err_msg=f'{select} k={k}')
+    # lax.top_k (width < c) on the fp32 view of the keys, with padding.
+    got = _selector('sort', 7)(jnp.asarray(x), jnp.int32(8),
+                               jnp.int32(min(k, 7)))
+    expected = np.zeros(32, bool)
+    expected[order[:min(k, 7)]] = True
+    np.testing.assert_array_equal(
+        np.asarray(got), np.packbits(expected, bitorder='little').view('<u4'),
+        err_msg=f'top_k k={k}')
 
 
 def test_nan_and_inf_in_large_chunks():

@@ -20,7 +20,7 @@ from typing import Tuple
 import jax
 import jax.numpy as jnp
 
-from scape_jax.kernels.topk_mask import PAD_KEY, magnitude_key
+from scape_jax.kernels.topk_mask import PAD_KEY, as_float_key, magnitude_key
 
 ENCODINGS = ('auto', 'bitmap', 'indices')
 
@@ -168,6 +168,6 @@ def chunk_topk_bits(scores: jax.Array, valid: jax.Array, width: int,
   if width >= c:  # Dense: all positions in offset order of preference.
     order = jnp.argsort(-keys, stable=True)
   else:
-    _, order = jax.lax.top_k(keys, width)
+    _, order = jax.lax.top_k(as_float_key(keys), width)
   keep = jnp.arange(order.shape[0]) < k
   return jnp.zeros((c,), bool).at[order].set(keep)

@@ -112,7 +112,7 @@ def sort_topk_words(scores, num_valid, width: int, k) -> jax.Array:
   if width >= c:
     order = jnp.argsort(-keys, stable=True)  # keys >= -1: no overflow
   else:
-    _, order = jax.lax.top_k(keys, width)
+    _, order = jax.lax.top_k(topk_mask.as_float_key(keys), width)
   bits = jnp.zeros((c,), bool).at[order].set(jnp.arange(order.shape[0]) < k)
   return _pack(bits)
 

@@ -50,6 +50,18 @@ def magnitude_key(x: jax.Array) -> jax.Array:
   return jnp.minimum(bits & 0x7FFFFFFF, NAN_KEY)
 
 
+def as_float_key(keys: jax.Array) -> jax.Array:
+  """int32 keys -> fp32 values in the same order, for `lax.top_k`.
+
+  A key >= 0 is the bit pattern of a non-negative float, so bitcasting it
+  keeps the order; `NAN_KEY` becomes one positive NaN, which `lax.top_k`
+  ranks above +inf like the key; `PAD_KEY` becomes -1.0. (XLA:CPU has a
+  fast top-k for fp32 operands only: on int32 it sorts.)
+  """
+  return jnp.where(keys == PAD_KEY, -1.0,
+                   jax.lax.bitcast_convert_type(keys, jnp.float32))
+
+
 def _block_keys(x_ref, num_valid):
   """Keys and chunk offsets of this block of rows; PAD_KEY from num_valid."""
   shape = x_ref.shape
