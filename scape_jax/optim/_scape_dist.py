@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from scape_jax.comm import masks
+from scape_jax.comm import topk
 from scape_jax.comm.axes import DATA
 from scape_jax.comm.collectives import all_gather_invariant, varying
 from scape_jax.optim import _common
@@ -69,6 +70,7 @@ def scale_by_scape_dist(
     compress: MaskOrFn = None,
     density_warmup_steps: int = 0,
     mask_encoding: str = 'auto',
+    select: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """SCAPE's direction with the first moment split over the workers.
 
@@ -89,13 +91,13 @@ def scale_by_scape_dist(
   _scape.scale_by_scape(density, b1=b1, b2=b2, eps=eps, clip_norm=clip_norm,
                         axis_name=axis_name, compress=compress,
                         density_warmup_steps=density_warmup_steps,
-                        mask_encoding=mask_encoding)
+                        mask_encoding=mask_encoding, select=select)
   schedule = (density if isinstance(density, DensitySchedule) else
               DensitySchedule(density, density_warmup_steps))
   levels = schedule.levels
   hyper = _scape._Hyper(b1=b1, b2=b2, eps=eps, clip_norm=clip_norm,  # pylint: disable=protected-access
                         axis_name=axis_name, encoding=mask_encoding,
-                        levels=levels)
+                        levels=levels, select=select)
 
   def init_fn(params):
     n, local = _common.axis_context('scape_dist init', axis_name)
@@ -200,7 +202,8 @@ def _update_at_level(grads, state: ScaleByScapeDistState, level: int, *,
   vary = functools.partial(varying, axis_name=hyper.axis_name)
   next_masks = [None if lay is None else _next_own_mask(
       o.moment, lay, worker, k_levels[j], level,
-      jnp.asarray(k_levels[j], jnp.int32)[schedule.level(state.count + 1)])
+      jnp.asarray(k_levels[j], jnp.int32)[schedule.level(state.count + 1)],
+      hyper.select)
                 for j, (o, lay) in enumerate(zip(own, plan.layouts))]
   per_leaf = lambda fn: plan.treedef.unflatten(  # noqa: E731
       [optax.MaskedNode() if lay is None else vary(fn(o, m))
@@ -269,11 +272,12 @@ def _own_chunks(local, sync, mean, offsets, plan, worker, b1, mu_own,
       received = _own(layout.to_chunks(mean[j].reshape(shape)), worker)
       residual = jnp.zeros(shape, jnp.float32)
     else:
-      own_offsets = _own(offsets[j], worker)
+      mask = offsets[j]  # the gathered `_GlobalMask`
+      own_offsets = _own(mask.offsets, worker)
       in_own = jnp.zeros((c,), bool).at[own_offsets].set(True)
-      values = _own(mean[j].reshape(offsets[j].shape), worker)
+      values = _own(mean[j].reshape(mask.offsets.shape), worker)
       received = jnp.zeros((c,), jnp.float32).at[own_offsets].set(values)
-      _, in_mask = _scape._scatter(mean[j], layout, offsets[j], shape)  # pylint: disable=protected-access
+      in_mask = layout.from_chunks(masks.unpack_bits(mask.words, c), shape)
       residual = jnp.where(in_mask, 0.0, local[j])
     bbar = jnp.where(in_own, sync[j] + received, 0.0)
     gbar = jnp.where(in_own, (bbar - b1 * mu_own[j][0]) / (1.0 - b1), 0.0)
@@ -322,21 +326,19 @@ def _gather_direction(direction, own, offsets, plan, axis_name) -> list:
     if offsets[j] is None:
       full[j] = layout.from_chunks(part, shape)
     else:
-      full[j], _ = _scape._scatter(part.reshape(-1), layout, offsets[j],  # pylint: disable=protected-access
-                                   shape)
+      full[j] = _scape._scatter(part.reshape(-1), layout,  # pylint: disable=protected-access
+                                offsets[j].offsets, shape)
   return full
 
 
-def _next_own_mask(moment, layout, worker, k_levels, level, next_k):
+def _next_own_mask(moment, layout, worker, k_levels, level, next_k, select):
   """Algorithm 1's next own chunk mask, from m~ on the own chunk."""
   chunk = layout.chunk_size
-  if min(k_levels) == chunk:
-    bits = jnp.ones((chunk,), bool)
-  else:
-    valid = worker * chunk + jnp.arange(chunk) < layout.size
-    bits = masks.chunk_topk_bits(jnp.abs(moment), valid, k_levels[level],
-                                 next_k)
-  return masks.pack_bits(bits)[None]
+  if min(k_levels) == chunk:  # dense at every level
+    return masks.pack_bits(jnp.ones((1, chunk), bool))
+  num_valid = jnp.clip(layout.size - worker * chunk, 0, chunk)
+  return topk.chunk_topk_words(moment, num_valid, k_levels[level], next_k,
+                               select=select)[None]
 
 
 def scape_dist(
@@ -352,6 +354,7 @@ def scape_dist(
     compress: MaskOrFn = None,
     density_warmup_steps: int = 0,
     mask_encoding: str = 'auto',
+    select: str = 'auto',
     weight_decay_mask: MaskOrFn = None,
 ) -> optax.GradientTransformationExtraArgs:
   """SCAPE in distributed-optimizer mode: `scale_by_scape_dist`, then
@@ -369,7 +372,7 @@ def scape_dist(
       scale_by_scape_dist(density, b1=b1, b2=b2, eps=eps, clip_norm=clip_norm,
                           axis_name=axis_name, compress=compress,
                           density_warmup_steps=density_warmup_steps,
-                          mask_encoding=mask_encoding),
+                          mask_encoding=mask_encoding, select=select),
       optax.add_decayed_weights(weight_decay, weight_decay_mask),
       optax.scale_by_learning_rate(learning_rate),
   )

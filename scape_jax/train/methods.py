@@ -182,6 +182,7 @@ class ScapeConfig:
   density: float = 0.01  # Fraction of each compressed leaf sent, in (0, 1].
   density_warmup_steps: int = 0  # Exponential warmup from density 1.
   mask_encoding: str = 'auto'  # One of comm.masks.ENCODINGS.
+  select: str = 'auto'  # Top-k of the next mask, one of comm.topk.SELECTS.
   offload: bool = False  # The residual in host memory between steps.
   offload_kind: str = sharding_memory.HOST  # Its memory kind when offloaded.
   # Distributed-optimizer mode (Algorithm 2): m split over the workers.
@@ -200,7 +201,8 @@ def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
       lr, density=schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
       weight_decay=cfg.weight_decay,
       clip_norm=cfg.clip_norm if cfg.clip_norm > 0 else None,
-      axis_name=ctx.axis_name, mask_encoding=section.mask_encoding)
+      axis_name=ctx.axis_name, mask_encoding=section.mask_encoding,
+      select=section.select)
   if section.fp32_replica:
     tx = replica_lib.with_fp32_replica(tx)
   kinds = (functools.partial(sharding_memory.offload_memory_kinds,
