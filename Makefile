@@ -4,7 +4,7 @@ PY ?= python3
 CPU8 = JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8
 
 .PHONY: install install-hf install-eval test test-hf demo bench \
-	bench-network dry-run results eval-downstream
+	bench-network dry-run memory-table results eval-downstream
 
 install:
 	$(PY) -m pip install -q -r requirements.txt
@@ -39,6 +39,11 @@ dry-run:
 	for c in gpt345m llama500m llama1.8b; do \
 	  JAX_PLATFORMS=cpu $(PY) train.py --config configs/$$c.py --dry-run || exit 1; \
 	done
+
+# Device and host bytes of AdamS, SCAPE and SCAPE with the residual
+# offloaded, for the three cluster configs (docs/benchmarks.md, section 4).
+memory-table:
+	JAX_PLATFORMS=cpu $(PY) bench/memory_table.py
 
 # Same model, data and mesh under each method (about 10 minutes on 2 cores).
 results:
