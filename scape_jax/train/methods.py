@@ -177,6 +177,15 @@ class ScapeConfig:
   density: float = 0.01  # Fraction of each compressed leaf sent, in (0, 1].
   density_warmup_steps: int = 0  # Exponential warmup from density 1.
   mask_encoding: str = 'auto'  # One of comm.masks.ENCODINGS.
+  # Payload values on the wire: 'float32', 'bfloat16' or 'float16'.
+  payload_dtype: str = 'float32'
+  offset_bits: str = '32'  # Offsets on the wire: '32', '16' or 'auto'.
+
+
+def _offset_bits(value: str):
+  """The config's string -> `scape`'s offset_bits ('auto', 32 or 16)."""
+  text = value.strip()
+  return int(text) if text.isdigit() else text
 
 
 def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
@@ -186,7 +195,9 @@ def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
       lr, density=schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
       weight_decay=cfg.weight_decay,
       clip_norm=cfg.clip_norm if cfg.clip_norm > 0 else None,
-      axis_name=ctx.axis_name, mask_encoding=section.mask_encoding)
+      axis_name=ctx.axis_name, mask_encoding=section.mask_encoding,
+      payload_dtype=section.payload_dtype,
+      offset_bits=_offset_bits(section.offset_bits))
   return Built(tx, lambda step: {'density_level': schedule.level(step)})
 
 
