@@ -1,4 +1,5 @@
-"""NumPy reference of SCAPE's half-width wire (docs/design.md, "Half-width wire").
+"""NumPy reference of SCAPE's half-width wire (docs/design.md, "Half-width
+wire").
 
 Written from the design note with plain arrays over the full leaf; it shares
 no code with `scape_jax`. Rounding is done on the bits of the fp32 word

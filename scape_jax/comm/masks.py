@@ -212,7 +212,7 @@ def offsets_to_wire16(offsets: jax.Array, chunk: int) -> jax.Array:
 
 
 def offsets_from_wire16(words: jax.Array, k: int, chunk: int) -> jax.Array:
-  """uint32[N, ceil(k/2) + B - 1] -> int32[N, k], inverse of `offsets_to_wire16`."""
+  """uint32[N, ceil(k/2) + B - 1] -> int32[N, k]: `offsets_to_wire16`^-1."""
   half = -(-k // 2)
   packed = words[:, :half]
   low = jnp.stack([packed & 0xFFFF, packed >> 16], axis=-1)
