@@ -211,7 +211,7 @@ def test_bytes_from_compiled_hlo_equal_the_analytic_formula():
   an = comm_analytic.scape_bytes(shapes, n, density, 'auto', 'bfloat16',
                                  'auto')
   table = analysis.format_table(cols)
-  assert {c.dtype for c in cols if c.kind == 'all-to-all'} == {'bf16'}, table
+  assert {c.dtype for c in cols if c.kind == 'all-to-all'} == {'u16'}, table
   assert by_kind['all-to-all'] == pytest.approx(an['alltoall_bytes']), table
   assert by_kind['all-gather'] == pytest.approx(
       an['mask_bytes'] + an['payload_gather_bytes']), table

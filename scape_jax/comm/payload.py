@@ -75,16 +75,30 @@ def owner_mean(rows: jax.Array, axis_name: Optional[str],
   n = rows.shape[0]
   sent = round_to(rows, dtype)
   error = rows - sent
-  wire = sent.astype(dtype)
+  wire = _to_wire(sent, dtype)
   if axis_name is not None:
     wire = jax.lax.all_to_all(wire, axis_name, 0, 0, tiled=True)
-  total = wire[0].astype(jnp.float32)
+  total = _from_wire(wire[0], dtype)
   for i in range(1, n):  # Worker order, so that the sum is reproducible.
-    total = total + wire[i].astype(jnp.float32)
+    total = total + _from_wire(wire[i], dtype)
   mean = total / n
   kept = round_to(mean, dtype)
   own = 0 if axis_name is None else jax.lax.axis_index(axis_name)
   error = error.at[own].add((mean - kept) * n)
-  kept = kept.astype(dtype)[None] if axis_name is None else (
-      all_gather_invariant(kept.astype(dtype), axis_name))
-  return kept.astype(jnp.float32), error
+  kept = _to_wire(kept, dtype)
+  kept = kept[None] if axis_name is None else all_gather_invariant(kept,
+                                                                   axis_name)
+  return _from_wire(kept, dtype), error
+
+
+def _to_wire(x: jax.Array, dtype) -> jax.Array:
+  """fp32 values exact in `dtype` -> their 16 bits as uint16.
+
+  The collectives move uint16: XLA:CPU widens bfloat16 collectives to fp32
+  (twice the bytes), integer ones it leaves alone.
+  """
+  return jax.lax.bitcast_convert_type(x.astype(dtype), jnp.uint16)
+
+
+def _from_wire(x: jax.Array, dtype) -> jax.Array:
+  return jax.lax.bitcast_convert_type(x, dtype).astype(jnp.float32)
