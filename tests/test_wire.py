@@ -225,7 +225,8 @@ def test_bytes_from_compiled_hlo_equal_the_analytic_formula():
     (dict(payload_dtype='bf16'), "payload_dtype='bf16'"),
     (dict(payload_dtype='int8'), "payload_dtype='int8'"),
     (dict(offset_bits=8), 'offset_bits=8'),
-    (dict(offset_bits='16'), "offset_bits='16'"),
+    (dict(offset_bits='sixteen'), "offset_bits='sixteen'"),
+    (dict(offset_bits=' 16'), "offset_bits=' 16'"),
     (dict(offset_bits=True), 'offset_bits=True'),
 ])
 def test_bad_options_are_named(kwargs, match):
@@ -236,7 +237,7 @@ def test_bad_options_are_named(kwargs, match):
 
 @pytest.mark.parametrize('override,match', [
     ('payload_dtype=bf16', "payload_dtype='bf16'.*allowed"),
-    ('offset_bits=24', 'offset_bits=24.*allowed'),
+    ('offset_bits=24', "offset_bits='24'.*allowed"),
     ('offset_bits=wide', "offset_bits='wide'.*allowed"),
 ])
 def test_config_rejects_bad_wire_options(override, match):

@@ -30,14 +30,20 @@ _INDEX_WIDTHS = {32: ('indices',), 16: ('indices16',),
                  'auto': ('indices', 'indices16')}
 
 
-def check_wire_request(mask_encoding: str, offset_bits) -> None:
-  """Raises ValueError naming a bad `mask_encoding` or `offset_bits`."""
+def check_wire_request(mask_encoding: str, offset_bits):
+  """`offset_bits` as one of `OFFSET_BITS` ('32' and '16' become ints).
+
+  Raises:
+    ValueError naming a bad `mask_encoding` or `offset_bits`.
+  """
   if mask_encoding not in ENCODINGS:
     raise ValueError(f'scape: mask_encoding={mask_encoding!r}; allowed: '
                      f'{ENCODINGS}.')
-  if isinstance(offset_bits, bool) or offset_bits not in OFFSET_BITS:
+  bits = {str(b): b for b in OFFSET_BITS}.get(offset_bits, offset_bits)
+  if isinstance(bits, bool) or bits not in OFFSET_BITS:
     raise ValueError(f'scape: offset_bits={offset_bits!r}; allowed: '
-                     f'{OFFSET_BITS}.')
+                     f"{OFFSET_BITS} (or '32', '16').")
+  return bits
 
 
 def chunk_k(density: float, chunk: int) -> int:

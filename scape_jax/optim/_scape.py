@@ -150,7 +150,7 @@ def scale_by_scape(
     density_warmup_steps: int = 0,
     mask_encoding: str = 'auto',
     payload_dtype: str = 'float32',
-    offset_bits: Union[str, int] = 32,
+    offset_bits: Union[str, int] = '32',
 ) -> optax.GradientTransformationExtraArgs:
   """SCAPE's exchange and AdamS direction from each worker's local gradients.
 
@@ -173,8 +173,10 @@ def scale_by_scape(
       payload values on the wire. 'bfloat16' and 'float16' round each
       worker's values and the owner's mean, and feed every rounding error
       back into that worker's residual (`comm.payload`).
-    offset_bits: one of `masks.OFFSET_BITS`: offsets as int32 (32), as 16
-      bits plus sub-block ends (16), or whichever is smaller ('auto').
+    offset_bits: one of `masks.OFFSET_BITS` ('32' and '16' are accepted
+      too): offsets as int32 (32), as 16 bits plus sub-block ends (16), or
+      whichever is smaller ('auto'). The default is the string '32' so that
+      `optax.inject_hyperparams` leaves it static.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`. `update` accepts the extra
@@ -199,7 +201,7 @@ def scale_by_scape(
   else:
     schedule = DensitySchedule(density, density_warmup_steps)
   levels = schedule.levels
-  masks.check_wire_request(mask_encoding, offset_bits)
+  offset_bits = masks.check_wire_request(mask_encoding, offset_bits)
   payload.check_payload_dtype(payload_dtype)
   hyper = _Hyper(b1=b1, b2=b2, eps=eps, clip_norm=clip_norm,
                  axis_name=axis_name, encoding=mask_encoding, levels=levels,
@@ -470,7 +472,7 @@ def scape(
     density_warmup_steps: int = 0,
     mask_encoding: str = 'auto',
     payload_dtype: str = 'float32',
-    offset_bits: Union[str, int] = 32,
+    offset_bits: Union[str, int] = '32',
     weight_decay_mask: MaskOrFn = None,
 ) -> optax.GradientTransformationExtraArgs:
   """SCAPE: `scale_by_scape`, then decoupled weight decay and the learning rate.
@@ -479,7 +481,8 @@ def scape(
   from the sparsified first moment. Call `update` inside `shard_map` with the
   worker's local gradients; it performs the data-parallel exchange itself.
   With `optax.inject_hyperparams`, pass
-  `static_args=('density', 'density_warmup_steps', 'offset_bits')`.
+  `static_args=('density', 'density_warmup_steps')`, and 'offset_bits'
+  when it is given as an int.
 
   Args:
     learning_rate: a float or an optax schedule.

@@ -182,12 +182,6 @@ class ScapeConfig:
   offset_bits: str = '32'  # Offsets on the wire: '32', '16' or 'auto'.
 
 
-def _offset_bits(value: str):
-  """The config's string -> `scape`'s offset_bits ('auto', 32 or 16)."""
-  text = value.strip()
-  return int(text) if text.isdigit() else text
-
-
 def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
   schedule = scape_lib.DensitySchedule(section.density,
                                        section.density_warmup_steps)
@@ -197,7 +191,7 @@ def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
       clip_norm=cfg.clip_norm if cfg.clip_norm > 0 else None,
       axis_name=ctx.axis_name, mask_encoding=section.mask_encoding,
       payload_dtype=section.payload_dtype,
-      offset_bits=_offset_bits(section.offset_bits))
+      offset_bits=section.offset_bits)
   return Built(tx, lambda step: {'density_level': schedule.level(step)})
 
 
