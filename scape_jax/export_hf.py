@@ -67,7 +67,7 @@ def export(run_dir: str, out_dir: str, step: Optional[int] = None) -> dict:
   """Writes the model of `run_dir`'s checkpoint (latest, or `step`) to
   `out_dir`; returns a summary."""
   ckpt = Checkpointer(os.path.join(run_dir, 'ckpt'))
-  step, extras = ckpt.extras(step)
+  step, extras = ckpt.read_extras(step)
   if 'config' not in extras:
     raise CheckpointError(f'checkpoint step {step} in {ckpt.directory} has no '
                           'saved config (extras["config"])')

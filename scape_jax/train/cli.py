@@ -8,11 +8,20 @@
 Several processes (one per host or GPU) join through --coordinator,
 --num-processes and --process-id, or through a cluster's environment (SLURM,
 Open MPI, TPU pods, JAX_COORDINATOR_ADDRESS) with --distributed.
+
+Running the same command again resumes from the newest checkpoint in out_dir.
+Exit codes: 0 done; 2 a mistake in the config, the data or a checkpoint (the
+message says which); 3 training diverged (max_bad_steps non-finite steps in a
+row); 128 + N stopped by signal N after saving (143 SIGTERM, 130 SIGINT).
 """
 
 import argparse
 import os
 import sys
+
+EXIT_USAGE = 2  # a mistake in the config, the data or a checkpoint
+EXIT_DIVERGED = 3  # max_bad_steps non-finite steps in a row
+EXIT_SIGINT = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 
 def parse_args(argv):
@@ -30,6 +39,10 @@ def parse_args(argv):
   parser.add_argument('--distributed', action='store_true',
                       help='jax.distributed.initialize() from the cluster '
                       'environment')
+  parser.add_argument('--allow-config-change', action='store_true',
+                      help='resume even though keys that change the '
+                      'computation (lr, steps, ...) differ from the '
+                      "checkpoint's config; the change is recorded")
   args, rest = parser.parse_known_args(argv)
   unknown = [a for a in rest if not a.startswith('--config.')]
   if unknown and not (len(rest) >= 2 and unknown == rest[1::2]):
@@ -52,7 +65,7 @@ def main(argv=None) -> int:
     cfg = config_lib.load(args.config, overrides)
   except (config_lib.ConfigError, FileNotFoundError) as e:
     print(f'error: {e}', file=sys.stderr)
-    return 2
+    return EXIT_USAGE
 
   from scape_jax import train as trainer  # pylint: disable=g-import-not-at-top
   from scape_jax.train.checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
@@ -76,10 +89,20 @@ def main(argv=None) -> int:
         devices = jax.devices('cpu')
       trainer.dry_run(cfg, devices)
     else:
-      trainer.train(cfg)
+      trainer.train(cfg, allow_config_change=args.allow_config_change)
   except (config_lib.ConfigError, CheckpointError, CorpusError) as e:
     print(f'error: {e}', file=sys.stderr)
-    return 2
+    return EXIT_USAGE
+  except trainer.DivergedError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return EXIT_DIVERGED
+  except trainer.Interrupted as e:
+    print(f'stopped: {e}', file=sys.stderr)
+    return e.exit_code
+  except KeyboardInterrupt:  # before the first step, or a second Ctrl-C
+    print('interrupted: stopped at once; the same command resumes from the '
+          'last checkpoint', file=sys.stderr)
+    return EXIT_SIGINT
   return 0
 
 

@@ -134,6 +134,9 @@ class Config:
   eval_every: int = 100  # Steps between evaluations; 0: only at the end.
   eval_batches: int = 8  # Batches of the validation split per evaluation.
   ckpt_every: int = 0  # Steps between checkpoints; 0: only at the end.
+  # A step whose loss, gradient norm or update is not finite is skipped
+  # (params and state unchanged); this many in a row stop the run.
+  max_bad_steps: int = 10
   out_dir: str = 'runs/default'  # Checkpoints, metrics and plots.
 
 
@@ -420,6 +423,8 @@ def _problems(cfg: Config) -> list[str]:
       (cfg.eval_batches >= 1,
        f'eval_batches must be >= 1, got {cfg.eval_batches}'),
       (cfg.ckpt_every >= 0, f'ckpt_every must be >= 0, got {cfg.ckpt_every}'),
+      (cfg.max_bad_steps >= 1,
+       f'max_bad_steps must be >= 1, got {cfg.max_bad_steps}'),
       (cfg.model.attn_impl in ATTN_IMPLS,
        f'model.attn_impl must be one of {ATTN_IMPLS}, got '
        f'{cfg.model.attn_impl!r}'),
