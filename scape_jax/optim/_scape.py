@@ -25,6 +25,7 @@ import optax
 
 from scape_jax.comm import masks
 from scape_jax.comm import payload
+from scape_jax.comm import topk
 from scape_jax.comm.axes import DATA
 from scape_jax.comm.collectives import all_gather_invariant, varying
 from scape_jax.optim import _common
@@ -149,6 +150,7 @@ def scale_by_scape(
     compress: MaskOrFn = None,
     density_warmup_steps: int = 0,
     mask_encoding: str = 'auto',
+    select: str = 'auto',
     payload_dtype: str = 'float32',
     offset_bits: Union[str, int] = '32',
 ) -> optax.GradientTransformationExtraArgs:
@@ -169,6 +171,10 @@ def scale_by_scape(
     density_warmup_steps: steps of the exponential warmup from density 1.
     mask_encoding: one of `masks.ENCODINGS`: 'auto' (the smallest
       allowed), 'bitmap' or 'indices' (offsets, of `offset_bits`).
+    select: how the next mask's top-k is found, one of `topk.SELECTS`:
+      'auto' (`topk.AUTO_SELECT` for the platform the program is lowered
+      for), 'sort' (`lax.top_k`), 'threshold' (sort-free, jnp) or 'pallas'
+      (sort-free, Pallas kernels; GPU and TPU). All give the same bits.
     payload_dtype: one of `payload.PAYLOAD_DTYPES`: the width of the
       payload values on the wire. 'bfloat16' and 'float16' round each
       worker's values and the owner's mean, and feed every rounding error
@@ -203,9 +209,11 @@ def scale_by_scape(
   levels = schedule.levels
   offset_bits = masks.check_wire_request(mask_encoding, offset_bits)
   payload.check_payload_dtype(payload_dtype)
+  topk.check_select(select, 'scape')
   hyper = _Hyper(b1=b1, b2=b2, eps=eps, clip_norm=clip_norm,
                  axis_name=axis_name, encoding=mask_encoding, levels=levels,
-                 payload_dtype=payload_dtype, offset_bits=offset_bits)
+                 select=select, payload_dtype=payload_dtype,
+                 offset_bits=offset_bits)
 
   def init_fn(params):
     n, local = _common.axis_context('scape init', axis_name)
@@ -261,6 +269,7 @@ class _Hyper:
   axis_name: Optional[str]
   encoding: str
   levels: tuple
+  select: str
   payload_dtype: str = 'float32'
   offset_bits: Union[str, int] = 32
 
@@ -279,20 +288,21 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
 
   moment = _semi_updated_moment(grad_leaves, mu, flat(state.residual),
                                 plan, hyper.b1)
-  offsets = _exchange_masks(flat(state.mask), plan, k_now, hyper)
+  global_masks = _exchange_masks(flat(state.mask), plan, k_now, hyper)
   if hyper.payload_dtype == 'float32':
-    bbar, errors = _exchange_payload(moment, plan, offsets,
+    bbar, errors = _exchange_payload(moment, plan, global_masks,
                                      hyper.axis_name), None
   else:
-    bbar, errors = _wire.exchange_narrow(moment, plan.layouts, offsets,
-                                         hyper.axis_name, hyper.payload_dtype)
-  bbar, gbar, residual = _reconstruct(moment, mu, bbar, plan, offsets,
+    bbar, errors = _wire.exchange_narrow(
+        moment, plan.layouts, [g and g.offsets for g in global_masks],
+        hyper.axis_name, hyper.payload_dtype)
+  bbar, gbar, residual = _reconstruct(moment, mu, bbar, plan, global_masks,
                                       hyper.b1, errors)
   gbar = _clip(gbar, hyper.clip_norm)
   count = optax.safe_increment(state.count)
   direction = _direction(mu, bbar, gbar, count, hyper)
   own_mask = _next_own_masks(moment, plan, k_levels, level,
-                             schedule.level(state.count + 1), hyper.axis_name)
+                             schedule.level(state.count + 1), hyper)
 
   vary = functools.partial(varying, axis_name=hyper.axis_name)
   residual_sq = sum((jnp.sum(r * r) for r in residual if r is not None),
@@ -323,8 +333,14 @@ def _semi_updated_moment(grads, mu, residual, plan, b1):
   return moment
 
 
+class _GlobalMask(NamedTuple):
+  """One sparse leaf's mask in force, as gathered from every worker."""
+  offsets: jax.Array  # int32[N, k], ascending within each chunk
+  words: jax.Array  # uint32[N, ceil(c/32)], the same as chunk bitmaps
+
+
 def _exchange_masks(own_masks, plan, k_now, hyper) -> list:
-  """The mask all-gather: every worker's chunk mask -> offsets int32[N, k].
+  """The mask all-gather: every worker's chunk mask -> `_GlobalMask`.
 
   One uint32 buffer carries every sparse leaf's contribution (bitmap or
   offsets, `LeafLayout.encoding`). Dense leaves get None.
@@ -334,31 +350,32 @@ def _exchange_masks(own_masks, plan, k_now, hyper) -> list:
                                      hyper.offset_bits) for j in sparse}
   wire = [masks.mask_to_wire(own_masks[j][0], plan.layouts[j], k_now[j],
                              enc[j]) for j in sparse]
-  offsets = [None] * len(own_masks)
+  global_masks = [None] * len(own_masks)
   if not wire:
-    return offsets
+    return global_masks
   buf = jnp.concatenate(wire)
   gathered = (buf[None] if hyper.axis_name is None else
               all_gather_invariant(buf, hyper.axis_name))
   for j, part in zip(sparse, _split(gathered, [x.shape[0] for x in wire])):
-    offsets[j] = masks.offsets_from_wire(part, plan.layouts[j], k_now[j],
-                                         enc[j])
-  return offsets
+    global_masks[j] = _mask_from_wire(part, plan.layouts[j], k_now[j],
+                                      enc[j])
+  return global_masks
 
 
-def _exchange_payload(moment, plan, offsets, axis_name):
+def _exchange_payload(moment, plan, global_masks, axis_name):
   """The payload all-reduce: the values of m~ at M, plus the dense leaves.
 
   Returns the mean over workers split per leaf (compacted for sparse leaves).
   """
-  payload = [mt.reshape(-1) if o is None else _compact(mt, layout, o)
-             for mt, layout, o in zip(moment, plan.layouts, offsets)]
+  payload = [mt.reshape(-1) if g is None else _compact(mt, layout, g.offsets)
+             for mt, layout, g in zip(moment, plan.layouts, global_masks)]
   flat = jnp.concatenate(payload)
   mean = flat if axis_name is None else jax.lax.pmean(flat, axis_name)
   return _split(mean, [x.size for x in payload])
 
 
-def _reconstruct(moment, mu, bbar_parts, plan, offsets, b1, errors=None):
+def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1,
+                 errors=None):
   """bbar at full shape, the mean gradient at M (Eq. 3) and the new residual.
 
   Outside M, bbar and gbar are zero and the residual keeps m~; dense leaves
@@ -369,11 +386,14 @@ def _reconstruct(moment, mu, bbar_parts, plan, offsets, b1, errors=None):
   errors = errors or [None] * len(moment)
   bbar, gbar, residual = [], [], []
   for j, (mt, m, values) in enumerate(zip(moment, mu, bbar_parts)):
-    shape, layout, err = plan.shapes[j], plan.layouts[j], errors[j]
-    if offsets[j] is not None:
-      b, in_mask = _scatter(values, layout, offsets[j], shape)
-      kept = 0.0 if err is None else _scatter(err, layout, offsets[j],
-                                              shape)[0]
+    shape, layout, mask = plan.shapes[j], plan.layouts[j], global_masks[j]
+    err = errors[j]
+    if mask is not None:
+      b = _scatter(values, layout, mask.offsets, shape)
+      in_mask = layout.from_chunks(
+          masks.unpack_bits(mask.words, layout.chunk_size), shape)
+      kept = 0.0 if err is None else _scatter(err, layout, mask.offsets,
+                                              shape)
       residual.append(jnp.where(in_mask, kept, mt)[None])
       gbar.append(jnp.where(in_mask, (b - b1 * m) / (1.0 - b1), 0.0))
     else:
@@ -404,17 +424,19 @@ def _direction(mu_prev, bbar, gbar, count, hyper):
                                           b2=hyper.b2, eps=hyper.eps)
 
 
-def _next_own_masks(moment, plan, k_levels, level, next_level, axis_name):
+def _next_own_masks(moment, plan, k_levels, level, next_level, hyper):
   """The next step's chunk mask of this worker, per compressed leaf."""
-  worker = 0 if axis_name is None else jax.lax.axis_index(axis_name)
+  worker = (0 if hyper.axis_name is None else
+            jax.lax.axis_index(hyper.axis_name))
   return [None if layout is None else _next_own_mask(
       mt, layout, worker, k_levels[j], level,
-      jnp.asarray(k_levels[j], jnp.int32)[next_level])
+      jnp.asarray(k_levels[j], jnp.int32)[next_level], hyper.select)
           for j, (mt, layout) in enumerate(zip(moment, plan.layouts))]
 
 
 def _next_own_mask(mt: jax.Array, layout: masks.LeafLayout, worker,
-                   k_levels: tuple, level: int, next_k: jax.Array) -> jax.Array:
+                   k_levels: tuple, level: int, next_k: jax.Array,
+                   select: str) -> jax.Array:
   """Top-k of |m~| in chunk `worker`, used at the next step: uint32[1, w].
 
   `k_levels[level]` (static) is the top-k width; levels never increase, so
@@ -422,13 +444,14 @@ def _next_own_mask(mt: jax.Array, layout: masks.LeafLayout, worker,
   """
   chunk = layout.chunk_size
   if min(k_levels) == chunk:  # dense at every level
-    bits = jnp.ones((chunk,), bool)
-  else:
-    scores = jnp.abs(jax.lax.dynamic_index_in_dim(layout.to_chunks(mt), worker,
-                                                  0, False))
-    valid = worker * chunk + jnp.arange(chunk) < layout.size
-    bits = masks.chunk_topk_bits(scores, valid, k_levels[level], next_k)
-  return masks.pack_bits(bits)[None]
+    return masks.pack_bits(jnp.ones((1, chunk), bool))
+  flat = mt.reshape(-1)
+  if layout.padded > layout.size:
+    flat = jnp.pad(flat, (0, layout.padded - layout.size))
+  scores = jax.lax.dynamic_slice_in_dim(flat, worker * chunk, chunk)
+  num_valid = jnp.clip(layout.size - worker * chunk, 0, chunk)
+  return topk.chunk_topk_words(scores, num_valid, k_levels[level], next_k,
+                               select=select)[None]
 
 
 # ----------------------------------------------------------------------------
@@ -441,21 +464,38 @@ def _split(flat: jax.Array, sizes: Sequence[int]) -> list:
   return [flat[..., a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+def _mask_from_wire(part: jax.Array, layout: masks.LeafLayout, k: int,
+                    encoding: str) -> _GlobalMask:
+  """Gathered masks [N, words] in a resolved encoding -> offsets and bitmaps."""
+  if encoding == 'bitmap':
+    return _GlobalMask(masks.words_to_offsets(part, k), part)
+  offsets = masks.offsets_from_wire(part, layout, k, encoding)
+  return _GlobalMask(offsets,
+                     masks.offsets_to_words(offsets, layout.chunk_size))
+
+
+def _flat_index(layout: masks.LeafLayout, offsets: jax.Array) -> jax.Array:
+  """Chunk offsets int32[N, k] -> flat offsets into the leaf, int32[N * k].
+
+  Offsets into the padding past the leaf come out >= layout.size.
+  """
+  starts = jnp.arange(layout.num_chunks, dtype=jnp.int32)[:, None]
+  return (starts * layout.chunk_size + offsets).reshape(-1)
+
+
 def _compact(mt: jax.Array, layout: masks.LeafLayout,
              offsets: jax.Array) -> jax.Array:
-  """The N*k values of m~ at the mask, chunk by chunk."""
-  return jnp.take_along_axis(layout.to_chunks(mt), offsets, axis=1).reshape(-1)
+  """The N*k values of m~ at the mask, chunk by chunk (0 at padding)."""
+  return mt.reshape(-1).at[_flat_index(layout, offsets)].get(
+      mode='fill', fill_value=0.0)
 
 
 def _scatter(values: jax.Array, layout: masks.LeafLayout, offsets: jax.Array,
-             shape) -> tuple:
-  """Compacted values -> (full-shape array zero outside M, bool mask M)."""
-  rows = jnp.arange(layout.num_chunks)[:, None]
-  grid = (layout.num_chunks, layout.chunk_size)
-  full = jnp.zeros(grid, values.dtype).at[rows, offsets].set(
-      values.reshape(offsets.shape))
-  in_mask = jnp.zeros(grid, bool).at[rows, offsets].set(True)
-  return layout.from_chunks(full, shape), layout.from_chunks(in_mask, shape)
+             shape) -> jax.Array:
+  """Compacted values -> full-shape array, zero outside M."""
+  full = jnp.zeros((layout.size,), values.dtype)
+  return full.at[_flat_index(layout, offsets)].set(
+      values, mode='drop').reshape(shape)
 
 
 def scape(
@@ -471,6 +511,7 @@ def scape(
     compress: MaskOrFn = None,
     density_warmup_steps: int = 0,
     mask_encoding: str = 'auto',
+    select: str = 'auto',
     payload_dtype: str = 'float32',
     offset_bits: Union[str, int] = '32',
     weight_decay_mask: MaskOrFn = None,
@@ -481,15 +522,15 @@ def scape(
   from the sparsified first moment. Call `update` inside `shard_map` with the
   worker's local gradients; it performs the data-parallel exchange itself.
   With `optax.inject_hyperparams`, pass
-  `static_args=('density', 'density_warmup_steps')`, and 'offset_bits'
-  when it is given as an int.
+  `static_args=('density', 'density_warmup_steps')`.
 
   Args:
     learning_rate: a float or an optax schedule.
     density: fraction of each compressed leaf sent per step, in (0, 1], or a
       `DensitySchedule`.
     b1, b2, eps, clip_norm, axis_name, compress, density_warmup_steps,
-      mask_encoding, payload_dtype, offset_bits: see `scale_by_scape`.
+      mask_encoding, select, payload_dtype, offset_bits: see
+      `scale_by_scape`.
     weight_decay: decoupled weight-decay strength.
     weight_decay_mask: optional tree or callable of bools selecting the leaves
       that get weight decay.
@@ -504,8 +545,8 @@ def scape(
       scale_by_scape(density, b1=b1, b2=b2, eps=eps, clip_norm=clip_norm,
                      axis_name=axis_name, compress=compress,
                      density_warmup_steps=density_warmup_steps,
-                     mask_encoding=mask_encoding, payload_dtype=payload_dtype,
-                     offset_bits=offset_bits),
+                     mask_encoding=mask_encoding, select=select,
+                     payload_dtype=payload_dtype, offset_bits=offset_bits),
       optax.add_decayed_weights(weight_decay, weight_decay_mask),
       optax.scale_by_learning_rate(learning_rate),
   )

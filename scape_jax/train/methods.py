@@ -177,6 +177,7 @@ class ScapeConfig:
   density: float = 0.01  # Fraction of each compressed leaf sent, in (0, 1].
   density_warmup_steps: int = 0  # Exponential warmup from density 1.
   mask_encoding: str = 'auto'  # One of comm.masks.ENCODINGS.
+  select: str = 'auto'  # Top-k of the next mask, one of comm.topk.SELECTS.
   # Payload values on the wire: 'float32', 'bfloat16' or 'float16'.
   payload_dtype: str = 'float32'
   offset_bits: str = '32'  # Offsets on the wire: '32', '16' or 'auto'.
@@ -190,7 +191,7 @@ def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
       weight_decay=cfg.weight_decay,
       clip_norm=cfg.clip_norm if cfg.clip_norm > 0 else None,
       axis_name=ctx.axis_name, mask_encoding=section.mask_encoding,
-      payload_dtype=section.payload_dtype,
+      select=section.select, payload_dtype=section.payload_dtype,
       offset_bits=section.offset_bits)
   return Built(tx, lambda step: {'density_level': schedule.level(step)})
 
