@@ -4,7 +4,7 @@ PY ?= python3
 CPU8 = JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8
 
 .PHONY: install install-hf install-eval test test-hf demo bench \
-	bench-network dry-run memory-table results eval-downstream
+	bench-network dry-run memory-table results results-wire eval-downstream
 
 install:
 	$(PY) -m pip install -q -r requirements.txt
@@ -49,6 +49,11 @@ memory-table:
 results:
 	rm -rf runs/convergence
 	$(CPU8) $(PY) bench/convergence.py --steps 300
+
+# SCAPE's bf16 wire vs the fp32 wire, two seeds each (about 4 x 2 minutes).
+results-wire:
+	rm -rf runs/wire_fidelity
+	$(CPU8) $(PY) bench/wire_fidelity.py --steps 300
 
 # Regenerates docs/bench/ (tables, CSV/JSON, plot); see docs/benchmarks.md.
 bench:

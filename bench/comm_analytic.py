@@ -17,7 +17,8 @@ def dense_bytes(params: int, n: int) -> float:
   return analysis.ring_all_reduce_bytes(4 * params, n)
 
 
-def scape_bytes(shapes, n: int, density: float, encoding: str) -> dict:
+def scape_bytes(shapes, n: int, density: float, encoding: str,
+                payload_dtype: str = 'float32', offset_bits=32) -> dict:
   """SCAPE's bytes per device per step (design note section 3).
 
   Args:
@@ -25,13 +26,22 @@ def scape_bytes(shapes, n: int, density: float, encoding: str) -> dict:
     n: data-parallel workers.
     density: the density in force (steady state).
     encoding: requested mask encoding, 'auto' | 'bitmap' | 'indices'.
+    payload_dtype: 'float32' (one fp32 ring all-reduce of the payload) or a
+      16-bit dtype: the compressed leaves' values (N*k per sparse leaf, the
+      padded leaf when k == chunk) in an all-to-all and an all-gather of 2
+      bytes each, the other leaves in an fp32 all-reduce (docs/design.md,
+      "Half-width wire").
+    offset_bits: 32 | 16 | 'auto', the width of the offsets.
 
   Returns:
     payload_values, mask_words (one worker's), payload_bytes, mask_bytes,
-    bytes (their sum), resolved (the set of per-leaf encodings used) and
-    per_leaf (each leaf's wire encoding, None where it is sent dense).
+    bytes (their sum), resolved (the set of per-leaf encodings used),
+    per_leaf (each leaf's wire encoding, None where it is sent dense),
+    payload_dtype, and the payload split by collective: allreduce_bytes,
+    alltoall_bytes, payload_gather_bytes.
   """
-  values, words, per_leaf = 0, 0, []
+  values, narrow, words, per_leaf = 0, 0, 0, []
+  half = payload_dtype != 'float32'
   for shape in shapes:
     size = math.prod(shape)
     enc = None
@@ -39,18 +49,38 @@ def scape_bytes(shapes, n: int, density: float, encoding: str) -> dict:
       lay = masks.LeafLayout.create(size, n)
       k = masks.chunk_k(density, lay.chunk_size)
       if k < lay.chunk_size:  # Sparse: N chunks of k values, plus the mask.
-        enc = lay.encoding(k, encoding)
+        enc = lay.encoding(k, encoding, offset_bits)
+        words += lay.mask_words(k, encoding, offset_bits)
+      if half:  # Every compressed leaf's values go half width.
+        narrow += n * (k if enc else lay.chunk_size)
+      elif enc:
         values += n * k
-        words += lay.mask_words(k, encoding)
-    if enc is None:
+    if enc is None and not (half and len(shape) >= 2):
       values += size  # Dense leaf (or k == chunk): every element.
     per_leaf.append(enc)
-  payload = analysis.ring_all_reduce_bytes(4 * values, n)
+  reduce = analysis.ring_all_reduce_bytes(4 * values, n)
+  alltoall = analysis.ring_reduce_scatter_bytes(2 * narrow, n)
+  gather = analysis.ring_all_gather_bytes(2 * narrow, n)
   mask = analysis.ring_all_gather_bytes(4 * words * n, n) if words else 0.0
-  return {'payload_values': values, 'mask_words': words,
+  payload = reduce + alltoall + gather
+  return {'payload_values': values + narrow, 'mask_words': words,
           'payload_bytes': payload, 'mask_bytes': mask,
           'bytes': payload + mask, 'per_leaf': tuple(per_leaf),
-          'resolved': {e for e in per_leaf if e is not None}}
+          'resolved': {e for e in per_leaf if e is not None},
+          'payload_dtype': payload_dtype, 'allreduce_bytes': reduce,
+          'alltoall_bytes': alltoall, 'payload_gather_bytes': gather}
+
+
+# Rows of the half-width wire: their options beside mask_encoding='auto'.
+HALF_WIRE = {'bf16': dict(payload_dtype='bfloat16', offset_bits='auto')}
+
+
+def scape_analytic(shapes, n: int, density: float, encoding: str) -> dict:
+  """`scape_bytes` of a row's encoding (a `HALF_WIRE` name included)."""
+  wire = HALF_WIRE.get(encoding)
+  if wire is None:
+    return scape_bytes(shapes, n, density, encoding)
+  return scape_bytes(shapes, n, density, 'auto', **wire)
 
 
 def _top_k(density: float, size: int) -> int:

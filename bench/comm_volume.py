@@ -11,6 +11,10 @@ devices, and its collectives are read from the optimized HLO
                      leaves of N*k values + the dense leaves' elements
                      mask    (N-1)/N * 4 * N * w, w = one worker's mask words
                      (design note, section 3; `masks.LeafLayout`)
+  SCAPE 'bf16'       payload_dtype='bfloat16', offset_bits='auto': compressed
+                     leaves' N*k values in an all-to-all + an all-gather,
+                     2 (N-1)/N * 2 * V16, the rest in an fp32 all-reduce;
+                     masks in the smallest of bitmap, int32 and 16-bit
 
   Radius             dense and resample steps: the dense all-reduce;
                      sparse steps 2 (N-1)/N * 4 * V, V = sum over compressed
@@ -48,6 +52,9 @@ say so in the `program` column; `--no-dedupe` compiles them anyway.
       --outer-only                                  # DiLoCo/Pier rows only
   python bench/comm_volume.py --models llama-tiny --workers 8 --no-plot \
       --methods adamw radius demo
+  python bench/comm_volume.py --models llama500m --workers 32 \
+      --densities 0.01 --methods adamw scape --encodings bf16 --no-plot \
+      --no-outer --out docs/bench/wire     # only the half-width wire's rows
 """
 
 import argparse
@@ -79,12 +86,13 @@ from scape_jax import train as trainer  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from comm_analytic import DEMO_CHUNK, RADIUS_INTERVAL  # noqa: E402
 from comm_analytic import dense_bytes, demo_bytes, radius_bytes  # noqa: E402
+from comm_analytic import HALF_WIRE, scape_analytic  # noqa: E402
 from comm_analytic import resolved_name, scape_bytes  # noqa: E402
 
 MODELS = ('llama-tiny', 'gpt345m', 'llama500m', 'llama1.8b')
 WORKERS = (8, 32)
 DENSITIES = (0.1, 0.01)
-ENCODINGS = ('bitmap', 'indices', 'auto')
+ENCODINGS = ('bitmap', 'indices', 'auto') + tuple(HALF_WIRE)
 METHODS = ('adamw', 'adams', 'scape', 'radius', 'demo')
 RADIUS_DENSITIES = (0.5,)  # The paper's GPT-355M setting.
 RADIUS_KINDS = ('dense', 'resample', 'sparse')
@@ -100,6 +108,7 @@ OUT = os.path.join(ROOT, 'docs', 'bench')
 CSV_FIELDS = ('model', 'params', 'N', 'method', 'density', 'encoding',
               'variant', 'resolved', 'measured_bytes', 'analytic_bytes', 'diff_bytes',
               'measured_allreduce_bytes', 'measured_allgather_bytes',
+              'measured_alltoall_bytes',
               'analytic_payload_bytes', 'analytic_mask_bytes',
               'reduction_measured', 'reduction_analytic', 'program',
               'compile_s')
@@ -115,9 +124,12 @@ def make_config(model: str, n: int, method: str, density=None,
           f'--config.mesh.data={n}', f'--config.data.batch_size={n}',
           f'--config.data.seq_len={seq_len}']
   if method == 'scape':
+    wire = HALF_WIRE.get(encoding, {})
     over += [f'--config.optimizer.scape.density={density}',
-             f'--config.optimizer.scape.mask_encoding={encoding}',
+             '--config.optimizer.scape.mask_encoding='
+             f'{"auto" if wire else encoding}',
              '--config.optimizer.scape.density_warmup_steps=0']
+    over += [f'--config.optimizer.scape.{k}={v}' for k, v in wire.items()]
   elif method == 'radius':  # Kinds by step: 0 dense, T-1 resample, T sparse.
     over += [f'--config.optimizer.radius.density={density}',
              f'--config.optimizer.radius.interval={RADIUS_INTERVAL}',
@@ -185,17 +197,18 @@ def run_group(task) -> list:
   done, rows, shapes = {}, [], None  # per-leaf encodings -> measurement
   # Explicit encodings first so that 'auto' can share their program.
   for enc in sorted(encodings, key=lambda e: e == 'auto'):
-    an = shapes and scape_bytes(shapes, n, density, enc)
-    if dedupe and an and an['per_leaf'] in done:
-      m, source = done[an['per_leaf']]
+    an = shapes and scape_analytic(shapes, n, density, enc)
+    key = an and (an['payload_dtype'], an['per_leaf'])
+    if dedupe and an and key in done:
+      m, source = done[key]
       m, program = dict(m, compile_s=0.0), (
           f'shared with {source} (same per-leaf encodings)')
     else:
       m, program = measure(make_config(model, n, 'scape', density, enc)), (
           'compiled')
       shapes = shapes or [tuple(s) for s in m['shapes']]
-      an = scape_bytes(shapes, n, density, enc)
-      done.setdefault(an['per_leaf'], (m, enc))
+      an = scape_analytic(shapes, n, density, enc)
+      done.setdefault((an['payload_dtype'], an['per_leaf']), (m, enc))
     rows.append(dict(m, model=model, N=n, method='scape', density=density,
                      encoding=enc, resolved=resolved_name(an['resolved']),
                      program=program, analytic=an['bytes'],
@@ -321,8 +334,9 @@ def finish(rows) -> list:
 def markdown(rows) -> str:
   head = ('| model | params | N | method | measured MB | analytic MB | '
           'measured - analytic (B) | all-reduce MB | all-gather MB | '
-          'reduction vs AdamW (measured) | (analytic) | program |')
-  lines = [head, '|' + '---|' * 12]
+          'all-to-all MB | reduction vs AdamW (measured) | (analytic) | '
+          'program |')
+  lines = [head, '|' + '---|' * 13]
   for r in rows:
     red, red_a = r['reduction_measured'], r['reduction_analytic']
     red = '-' if red is None else f'{red:.1f}x'
@@ -332,7 +346,8 @@ def markdown(rows) -> str:
         f'| {r["model"]} | {r["params"] / 1e6:.1f}M | {r["N"]} | {label(r)} | '
         f'{r["measured_bytes"] / 1e6:.3f} | {r["analytic"] / 1e6:.3f} | '
         f'{r["diff_bytes"]:+.1f} | {kinds.get("all-reduce", 0) / 1e6:.3f} | '
-        f'{kinds.get("all-gather", 0) / 1e6:.3f} | {red} | {red_a} | '
+        f'{kinds.get("all-gather", 0) / 1e6:.3f} | '
+        f'{kinds.get("all-to-all", 0) / 1e6:.3f} | {red} | {red_a} | '
         f'{r["program"]} |')
   return '\n'.join(lines)
 
@@ -352,6 +367,7 @@ def csv_row(r) -> dict:
       'diff_bytes': f'{r["diff_bytes"]:.1f}',
       'measured_allreduce_bytes': f'{r["by_kind"].get("all-reduce", 0):.1f}',
       'measured_allgather_bytes': f'{r["by_kind"].get("all-gather", 0):.1f}',
+      'measured_alltoall_bytes': f'{r["by_kind"].get("all-to-all", 0):.1f}',
       'analytic_payload_bytes': f'{r.get("analytic_payload", r["analytic"]):.1f}',
       'analytic_mask_bytes': f'{r.get("analytic_mask", 0.0):.1f}',
       'reduction_measured': _ratio(r['reduction_measured']),
@@ -407,9 +423,10 @@ def plot(rows, path: str) -> None:
   fig, ax = plt.subplots(figsize=(7.5, 5))
   ax.axhline(dense['measured_bytes'] / 1e6, color='k', lw=1.2,
              label='dense AdamW (measured)')
-  styles = {'bitmap': ('C0', 'o'), 'indices': ('C1', 's'), 'auto': ('C2', 'x')}
+  styles = {'bitmap': ('C0', 'o'), 'indices': ('C1', 's'), 'auto': ('C2', 'x'),
+            'bf16': ('C5', 'P')}
   for enc, (color, marker) in styles.items():
-    ax.plot(grid, [scape_bytes(shapes, PLOT_N, float(d), enc)['bytes'] / 1e6
+    ax.plot(grid, [scape_analytic(shapes, PLOT_N, float(d), enc)['bytes'] / 1e6
                    for d in grid], color=color, lw=1, alpha=0.7,
             ls='--' if enc == 'auto' else '-', label=f'SCAPE {enc} (analytic)')
     got = sorted((r['density'], r['measured_bytes']) for r in pts
@@ -468,13 +485,14 @@ def _variant_order(variant) -> tuple:
 def _tasks(args) -> tuple:
   """(tasks, the main table's keys, whether to plot) from the arguments."""
   dedupe, tasks = not args.no_dedupe, []
+  encodings = tuple(args.encodings)
   for model in [] if args.outer_only else args.models:
     for n in args.workers:
       tasks += [(model, n, m, None, None, dedupe) for m in ('adamw', 'adams')
                 if m in args.methods]
       settings = {'scape': args.densities, 'radius': args.radius_densities,
                   'demo': args.demo_topks}
-      tasks += [(model, n, m, d, ENCODINGS if m == 'scape' else None, dedupe)
+      tasks += [(model, n, m, d, encodings if m == 'scape' else None, dedupe)
                 for m in ('scape', 'radius', 'demo') if m in args.methods
                 for d in settings[m]]
   table_keys = {(t[0], t[1], t[2], t[3]) for t in tasks}
@@ -482,7 +500,7 @@ def _tasks(args) -> tuple:
               PLOT_MODEL in args.models and PLOT_N in args.workers and
               {'adamw', 'scape'} <= set(args.methods))
   if plotting:
-    tasks += [(PLOT_MODEL, PLOT_N, 'scape', d, ENCODINGS, dedupe)
+    tasks += [(PLOT_MODEL, PLOT_N, 'scape', d, encodings, dedupe)
               for d in args.plot_densities
               if (PLOT_MODEL, PLOT_N, 'scape', d) not in table_keys]
   if not args.no_outer:
@@ -523,6 +541,10 @@ def main(argv=None):
   p.add_argument('--densities', nargs='+', type=float, default=list(DENSITIES))
   p.add_argument('--methods', nargs='+', choices=METHODS,
                  default=list(METHODS))
+  p.add_argument('--encodings', nargs='+', choices=ENCODINGS,
+                 default=list(ENCODINGS),
+                 help="SCAPE's rows: mask encodings, and 'bf16' for the "
+                 'half-width wire')
   p.add_argument('--radius-densities', nargs='+', type=float,
                  default=list(RADIUS_DENSITIES))
   p.add_argument('--demo-topks', nargs='+', type=int,

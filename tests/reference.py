@@ -76,11 +76,7 @@ class ScapeReference:
       else:
         in_m = np.ones(p.shape, bool)
         new_masks.append(None)
-      payloads = []
-      for n in range(self.n):
-        payloads.append(np.where(in_m, mts[n][j], 0).astype(np.float32))
-        self.e[n][j] = np.where(in_m, 0, mts[n][j]).astype(np.float32)
-      b = np.mean(np.stack(payloads), axis=0, dtype=np.float32)
+      b = self._exchange(j, in_m, mts)
       bbar.append(b)
       gbar.append(np.where(in_m, (b - b1 * self.m[j]) / (1 - b1), 0))
     norm = math.sqrt(sum(float(np.sum(g.astype(np.float64)**2)) for g in gbar))
@@ -97,6 +93,14 @@ class ScapeReference:
       if self.compressed[j]:
         self.mask[j] = new_masks[j]
     return norm
+
+  def _exchange(self, j, in_m, mts):
+    """The mean of the workers' m~ at M; sets their residuals e^n of leaf j."""
+    payloads = []
+    for n in range(self.n):
+      payloads.append(np.where(in_m, mts[n][j], 0).astype(np.float32))
+      self.e[n][j] = np.where(in_m, 0, mts[n][j]).astype(np.float32)
+    return np.mean(np.stack(payloads), axis=0, dtype=np.float32)
 
   def chunk_mask(self, j, n):
     """Worker n's own chunk mask of leaf j (bool[c]), as used next step."""

@@ -5,8 +5,10 @@ multiple of N (the number of data-parallel workers) and split into N
 contiguous chunks of `c = ceil(size / N)` elements. Worker n owns chunk n and
 selects the top-k entries of |m~| inside it. A chunk mask is kept as a bitmap
 of `c` bits packed into little-endian uint32 words; on the wire it is sent
-either as that bitmap or as `k` int32 offsets within the chunk, whichever is
-smaller (`docs/design.md` section 3).
+as that bitmap, as `k` int32 offsets within the chunk, or as `k` 16-bit
+offsets plus a small table of sub-block ends ('indices16'), whichever the
+request allows and is smallest (`docs/design.md`, "Wire" and "Half-width
+wire").
 
 All of this is pure jnp. The fast top-k selection is `comm.topk`; the
 Pallas kernels for packing and selection are in `scape_jax.kernels`.
@@ -23,6 +25,28 @@ import jax.numpy as jnp
 from scape_jax.kernels.topk_mask import PAD_KEY, as_float_key, magnitude_key
 
 ENCODINGS = ('auto', 'bitmap', 'indices')
+OFFSET_BITS = ('auto', 32, 16)
+# Entries one 16-bit offset addresses: a chunk is cut into sub-blocks of this
+# many entries, and 'indices16' sends where each sub-block's offsets end.
+SUB_BLOCK = 1 << 16
+_INDEX_WIDTHS = {32: ('indices',), 16: ('indices16',),
+                 'auto': ('indices', 'indices16')}
+
+
+def check_wire_request(mask_encoding: str, offset_bits):
+  """`offset_bits` as one of `OFFSET_BITS` ('32' and '16' become ints).
+
+  Raises:
+    ValueError naming a bad `mask_encoding` or `offset_bits`.
+  """
+  if mask_encoding not in ENCODINGS:
+    raise ValueError(f'scape: mask_encoding={mask_encoding!r}; allowed: '
+                     f'{ENCODINGS}.')
+  bits = {str(b): b for b in OFFSET_BITS}.get(offset_bits, offset_bits)
+  if isinstance(bits, bool) or bits not in OFFSET_BITS:
+    raise ValueError(f'scape: offset_bits={offset_bits!r}; allowed: '
+                     f"{OFFSET_BITS} (or '32', '16').")
+  return bits
 
 
 def chunk_k(density: float, chunk: int) -> int:
@@ -54,15 +78,35 @@ class LeafLayout:
     """uint32 words of one packed chunk bitmap."""
     return -(-self.chunk_size // 32)
 
-  def encoding(self, k: int, requested: str) -> str:
-    """The wire encoding of this leaf's chunk masks at k entries per chunk."""
-    if requested == 'auto':
-      return 'indices' if k < self.words else 'bitmap'
-    return requested
+  @property
+  def sub_blocks(self) -> int:
+    """Sub-blocks of `SUB_BLOCK` entries a chunk spans (16-bit offsets)."""
+    return -(-self.chunk_size // SUB_BLOCK)
 
-  def mask_words(self, k: int, requested: str) -> int:
+  def wire_words(self, k: int, encoding: str) -> int:
+    """32-bit words of one chunk mask sent in a resolved `encoding`."""
+    if encoding == 'bitmap':
+      return self.words
+    if encoding == 'indices':
+      return k
+    return -(-k // 2) + self.sub_blocks - 1  # 'indices16'
+
+  def encoding(self, k: int, requested: str, offset_bits=32) -> str:
+    """The wire encoding of this leaf's chunk masks at k entries per chunk.
+
+    'bitmap', 'indices' (int32 offsets) or 'indices16': among those that
+    `requested` and `offset_bits` allow, the one of fewest words, the first
+    of that order on ties ('auto' with 32-bit offsets: offsets when
+    k < ceil(c/32)).
+    """
+    widths = _INDEX_WIDTHS[offset_bits]
+    allowed = {'bitmap': ('bitmap',), 'indices': widths,
+               'auto': ('bitmap',) + widths}[requested]
+    return min(allowed, key=lambda e: self.wire_words(k, e))
+
+  def mask_words(self, k: int, requested: str, offset_bits=32) -> int:
     """32-bit words one worker contributes to the mask all-gather."""
-    return k if self.encoding(k, requested) == 'indices' else self.words
+    return self.wire_words(k, self.encoding(k, requested, offset_bits))
 
   def to_chunks(self, x: jax.Array) -> jax.Array:
     """[*shape] -> [N, c], zero padded."""
@@ -171,3 +215,65 @@ def chunk_topk_bits(scores: jax.Array, valid: jax.Array, width: int,
     _, order = jax.lax.top_k(as_float_key(keys), width)
   keep = jnp.arange(order.shape[0]) < k
   return jnp.zeros((c,), bool).at[order].set(keep)
+
+
+# ----------------------------------------------------------------------------
+# The chunk mask on the wire, in a resolved encoding (`LeafLayout.encoding`).
+
+
+def mask_to_wire(own: jax.Array, layout: LeafLayout, k: int,
+                 encoding: str) -> jax.Array:
+  """One worker's packed chunk bitmap -> the uint32 words it sends."""
+  if encoding == 'bitmap':
+    return own
+  offsets = words_to_offsets(own[None], k)[0]
+  if encoding == 'indices':
+    return jax.lax.bitcast_convert_type(offsets, jnp.uint32)
+  return offsets_to_wire16(offsets, layout.chunk_size)
+
+
+def offsets_from_wire(part: jax.Array, layout: LeafLayout, k: int,
+                      encoding: str) -> jax.Array:
+  """Gathered words uint32[N, w] -> ascending offsets int32[N, k] per chunk."""
+  if encoding == 'bitmap':
+    return words_to_offsets(part, k)
+  if encoding == 'indices':
+    return jax.lax.bitcast_convert_type(part, jnp.int32)
+  return offsets_from_wire16(part, k, layout.chunk_size)
+
+
+def offsets_to_wire16(offsets: jax.Array, chunk: int) -> jax.Array:
+  """Ascending offsets int32[k] in a chunk of `chunk` -> uint32 words.
+
+  The low 16 bits of each offset, two per word (the last half-word zero when
+  k is odd), then, when the chunk spans B > 1 sub-blocks of `SUB_BLOCK`
+  entries, B - 1 words: how many offsets fall below the end of sub-block b.
+  Those ends give back the high bits, since the offsets are ascending. The
+  layout is static: ceil(k/2) + B - 1 words.
+  """
+  k = offsets.shape[-1]
+  low = (offsets & 0xFFFF).astype(jnp.uint32)
+  low = jnp.pad(low, (0, -k % 2)).reshape(-1, 2)
+  words = low[:, 0] | (low[:, 1] << 16)
+  blocks = -(-chunk // SUB_BLOCK)
+  if blocks == 1:
+    return words
+  bounds = jnp.arange(1, blocks, dtype=jnp.int32) * SUB_BLOCK
+  ends = jnp.searchsorted(offsets, bounds, side='left')
+  return jnp.concatenate([words, ends.astype(jnp.uint32)])
+
+
+def offsets_from_wire16(words: jax.Array, k: int, chunk: int) -> jax.Array:
+  """uint32[N, ceil(k/2) + B - 1] -> int32[N, k]: `offsets_to_wire16`^-1."""
+  half = -(-k // 2)
+  packed = words[:, :half]
+  low = jnp.stack([packed & 0xFFFF, packed >> 16], axis=-1)
+  low = low.reshape(words.shape[0], 2 * half)[:, :k].astype(jnp.int32)
+  if -(-chunk // SUB_BLOCK) == 1:
+    return low
+  # high[i] = #{b : ends[b] <= i}: a running count of the ends' positions.
+  ends = words[:, half:].astype(jnp.int32)
+  rows = jnp.arange(words.shape[0])[:, None]
+  marks = jnp.zeros((words.shape[0], k + 1), jnp.int32).at[rows, ends].add(1)
+  high = jnp.cumsum(marks, axis=1)[:, :k]
+  return high * SUB_BLOCK + low

@@ -3,7 +3,8 @@
 `scale_by_scape` is called inside `jax.shard_map` (or any context where
 `axis_name` is bound) with each worker's *local* gradients and performs the
 data-parallel exchange itself: one all-gather of the chunk masks and one
-all-reduce of the compacted payload per step. Every choice the paper leaves
+all-reduce of the compacted payload per step (with a 16-bit payload, an
+all-to-all and an all-gather instead: `_wire`). Every choice the paper leaves
 open is pinned down in `docs/design.md`.
 
 Per-worker state (the residual `e^n`, the worker's own chunk mask and its
@@ -23,11 +24,13 @@ import numpy as np
 import optax
 
 from scape_jax.comm import masks
+from scape_jax.comm import payload
 from scape_jax.comm import topk
 from scape_jax.comm.axes import DATA
 from scape_jax.comm.collectives import all_gather_invariant, varying
 from scape_jax.optim import _common
 from scape_jax.optim import _memory
+from scape_jax.optim import _wire
 from scape_jax.optim._common import MaskOrFn, ScalarOrSchedule
 
 
@@ -152,6 +155,8 @@ def scale_by_scape(
     density_warmup_steps: int = 0,
     mask_encoding: str = 'auto',
     select: str = 'auto',
+    payload_dtype: str = 'float32',
+    offset_bits: Union[str, int] = '32',
 ) -> optax.GradientTransformationExtraArgs:
   """SCAPE's exchange and AdamS direction from each worker's local gradients.
 
@@ -168,12 +173,20 @@ def scale_by_scape(
       style, selecting the leaves to sparsify. Default: leaves with ndim >= 2;
       norm scales and biases stay dense.
     density_warmup_steps: steps of the exponential warmup from density 1.
-    mask_encoding: one of `masks.ENCODINGS`: 'auto' (the smaller of the
-      two), 'bitmap' or 'indices'.
+    mask_encoding: one of `masks.ENCODINGS`: 'auto' (the smallest
+      allowed), 'bitmap' or 'indices' (offsets, of `offset_bits`).
     select: how the next mask's top-k is found, one of `topk.SELECTS`:
       'auto' (`topk.AUTO_SELECT` for the platform the program is lowered
       for), 'sort' (`lax.top_k`), 'threshold' (sort-free, jnp) or 'pallas'
       (sort-free, Pallas kernels; GPU and TPU). All give the same bits.
+    payload_dtype: one of `payload.PAYLOAD_DTYPES`: the width of the
+      payload values on the wire. 'bfloat16' and 'float16' round each
+      worker's values and the owner's mean, and feed every rounding error
+      back into that worker's residual (`comm.payload`).
+    offset_bits: one of `masks.OFFSET_BITS` ('32' and '16' are accepted
+      too): offsets as int32 (32), as 16 bits plus sub-block ends (16), or
+      whichever is smaller ('auto'). The default is the string '32' so that
+      `optax.inject_hyperparams` leaves it static.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`. `update` accepts the extra
@@ -198,13 +211,13 @@ def scale_by_scape(
   else:
     schedule = DensitySchedule(density, density_warmup_steps)
   levels = schedule.levels
-  if mask_encoding not in masks.ENCODINGS:
-    raise ValueError(f'scape: mask_encoding={mask_encoding!r}; allowed: '
-                     f'{masks.ENCODINGS}.')
+  offset_bits = masks.check_wire_request(mask_encoding, offset_bits)
+  payload.check_payload_dtype(payload_dtype)
   topk.check_select(select, 'scape')
   hyper = _Hyper(b1=b1, b2=b2, eps=eps, clip_norm=clip_norm,
                  axis_name=axis_name, encoding=mask_encoding, levels=levels,
-                 select=select)
+                 select=select, payload_dtype=payload_dtype,
+                 offset_bits=offset_bits)
 
   def init_fn(params):
     n, local = _common.axis_context('scape init', axis_name)
@@ -265,6 +278,8 @@ class _Hyper:
   encoding: str
   levels: tuple
   select: str
+  payload_dtype: str = 'float32'
+  offset_bits: Union[str, int] = 32
 
 
 def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
@@ -282,9 +297,15 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
   moment = _semi_updated_moment(grad_leaves, mu, flat(state.residual),
                                 plan, hyper.b1)
   global_masks = _exchange_masks(flat(state.mask), plan, k_now, hyper)
-  bbar = _exchange_payload(moment, plan, global_masks, hyper.axis_name)
+  if hyper.payload_dtype == 'float32':
+    bbar, errors = _exchange_payload(moment, plan, global_masks,
+                                     hyper.axis_name), None
+  else:
+    bbar, errors = _wire.exchange_narrow(
+        moment, plan.layouts, [g and g.offsets for g in global_masks],
+        hyper.axis_name, hyper.payload_dtype)
   bbar, gbar, residual = _reconstruct(moment, mu, bbar, plan, global_masks,
-                                      hyper.b1)
+                                      hyper.b1, errors)
   gbar = _clip(gbar, hyper.clip_norm)
   count = optax.safe_increment(state.count)
   direction = _direction(mu, bbar, gbar, count, hyper)
@@ -333,8 +354,10 @@ def _exchange_masks(own_masks, plan, k_now, hyper) -> list:
   offsets, `LeafLayout.encoding`). Dense leaves get None.
   """
   sparse = [j for j in range(len(own_masks)) if plan.is_sparse(j, k_now[j])]
-  wire = [_mask_to_wire(own_masks[j][0], plan.layouts[j], k_now[j],
-                        hyper.encoding) for j in sparse]
+  enc = {j: plan.layouts[j].encoding(k_now[j], hyper.encoding,
+                                     hyper.offset_bits) for j in sparse}
+  wire = [masks.mask_to_wire(own_masks[j][0], plan.layouts[j], k_now[j],
+                             enc[j]) for j in sparse]
   global_masks = [None] * len(own_masks)
   if not wire:
     return global_masks
@@ -343,7 +366,7 @@ def _exchange_masks(own_masks, plan, k_now, hyper) -> list:
               all_gather_invariant(buf, hyper.axis_name))
   for j, part in zip(sparse, _split(gathered, [x.shape[0] for x in wire])):
     global_masks[j] = _mask_from_wire(part, plan.layouts[j], k_now[j],
-                                      hyper.encoding)
+                                      enc[j])
   return global_masks
 
 
@@ -359,26 +382,34 @@ def _exchange_payload(moment, plan, global_masks, axis_name):
   return _split(mean, [x.size for x in payload])
 
 
-def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1):
+def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1,
+                 errors=None):
   """bbar at full shape, the mean gradient at M (Eq. 3) and the new residual.
 
   Outside M, bbar and gbar are zero and the residual keeps m~; dense leaves
   have no residual (None) or, compressed but dense at this level, zeros.
+  Inside M the residual is zero, or the payload's rounding error `errors`
+  (per leaf, in `bbar_parts`' layout) of a half-width wire.
   """
+  errors = errors or [None] * len(moment)
   bbar, gbar, residual = [], [], []
   for j, (mt, m, values) in enumerate(zip(moment, mu, bbar_parts)):
     shape, layout, mask = plan.shapes[j], plan.layouts[j], global_masks[j]
+    err = errors[j]
     if mask is not None:
       b = _scatter(values, layout, mask.offsets, shape)
       in_mask = layout.from_chunks(
           masks.unpack_bits(mask.words, layout.chunk_size), shape)
-      residual.append(jnp.where(in_mask, 0.0, mt)[None])
+      kept = 0.0 if err is None else _scatter(err, layout, mask.offsets,
+                                              shape)
+      residual.append(jnp.where(in_mask, kept, mt)[None])
       gbar.append(jnp.where(in_mask, (b - b1 * m) / (1.0 - b1), 0.0))
     else:
       b = values.reshape(shape)
       gbar.append((b - b1 * m) / (1.0 - b1))
       residual.append(None if layout is None else
-                      jnp.zeros((1,) + shape, jnp.float32))
+                      jnp.zeros((1,) + shape, jnp.float32) if err is None
+                      else err.reshape((1,) + shape))
     bbar.append(b)
   return bbar, gbar, residual
 
@@ -441,21 +472,12 @@ def _split(flat: jax.Array, sizes: Sequence[int]) -> list:
   return [flat[..., a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _mask_to_wire(own: jax.Array, layout: masks.LeafLayout, k: int,
-                  encoding: str) -> jax.Array:
-  """This worker's chunk bitmap as sent: the bitmap or k offsets (uint32)."""
-  if layout.encoding(k, encoding) == 'bitmap':
-    return own
-  offsets = masks.words_to_offsets(own[None], k)[0]
-  return jax.lax.bitcast_convert_type(offsets, jnp.uint32)
-
-
 def _mask_from_wire(part: jax.Array, layout: masks.LeafLayout, k: int,
                     encoding: str) -> _GlobalMask:
-  """Gathered masks [N, words] -> offsets and bitmaps of every chunk."""
-  if layout.encoding(k, encoding) == 'bitmap':
+  """Gathered masks [N, words] in a resolved encoding -> offsets and bitmaps."""
+  if encoding == 'bitmap':
     return _GlobalMask(masks.words_to_offsets(part, k), part)
-  offsets = jax.lax.bitcast_convert_type(part, jnp.int32)
+  offsets = masks.offsets_from_wire(part, layout, k, encoding)
   return _GlobalMask(offsets,
                      masks.offsets_to_words(offsets, layout.chunk_size))
 
@@ -498,6 +520,8 @@ def scape(
     density_warmup_steps: int = 0,
     mask_encoding: str = 'auto',
     select: str = 'auto',
+    payload_dtype: str = 'float32',
+    offset_bits: Union[str, int] = '32',
     weight_decay_mask: MaskOrFn = None,
 ) -> optax.GradientTransformationExtraArgs:
   """SCAPE: `scale_by_scape`, then decoupled weight decay and the learning rate.
@@ -513,7 +537,8 @@ def scape(
     density: fraction of each compressed leaf sent per step, in (0, 1], or a
       `DensitySchedule`.
     b1, b2, eps, clip_norm, axis_name, compress, density_warmup_steps,
-      mask_encoding, select: see `scale_by_scape`.
+      mask_encoding, select, payload_dtype, offset_bits: see
+      `scale_by_scape`.
     weight_decay: decoupled weight-decay strength.
     weight_decay_mask: optional tree or callable of bools selecting the leaves
       that get weight decay.
@@ -528,7 +553,8 @@ def scape(
       scale_by_scape(density, b1=b1, b2=b2, eps=eps, clip_norm=clip_norm,
                      axis_name=axis_name, compress=compress,
                      density_warmup_steps=density_warmup_steps,
-                     mask_encoding=mask_encoding, select=select),
+                     mask_encoding=mask_encoding, select=select,
+                     payload_dtype=payload_dtype, offset_bits=offset_bits),
       optax.add_decayed_weights(weight_decay, weight_decay_mask),
       optax.scale_by_learning_rate(learning_rate),
   )

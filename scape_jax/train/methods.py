@@ -191,6 +191,9 @@ class ScapeConfig:
   # with offload=True); the step's parameters (model.param_dtype, e.g.
   # bfloat16) are its cast.
   fp32_replica: bool = False
+  # Payload values on the wire: 'float32', 'bfloat16' or 'float16'.
+  payload_dtype: str = 'float32'
+  offset_bits: str = '32'  # Offsets on the wire: '32', '16' or 'auto'.
 
 
 def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
@@ -202,7 +205,7 @@ def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
       weight_decay=cfg.weight_decay,
       clip_norm=cfg.clip_norm if cfg.clip_norm > 0 else None,
       axis_name=ctx.axis_name, mask_encoding=section.mask_encoding,
-      select=section.select)
+      select=section.select, **_wire_options(section))
   if section.fp32_replica:
     tx = replica_lib.with_fp32_replica(tx)
   kinds = (functools.partial(sharding_memory.offload_memory_kinds,
@@ -210,6 +213,21 @@ def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
            if section.offload else None)
   return Built(tx, lambda step: {'density_level': schedule.level(step)},
                kinds)
+
+
+def _wire_options(section: ScapeConfig) -> dict:
+  """The half-width wire's options; Algorithm 2 has only the fp32 wire."""
+  options = {'payload_dtype': section.payload_dtype,
+             'offset_bits': section.offset_bits}
+  if not section.distributed:
+    return options
+  if (section.payload_dtype, str(section.offset_bits)) != ('float32', '32'):
+    raise ValueError(
+        'optimizer.scape.distributed=True sends fp32 values and int32 '
+        f'offsets only; got payload_dtype={section.payload_dtype!r}, '
+        f'offset_bits={section.offset_bits!r} (allowed with distributed: '
+        "'float32' and '32')")
+  return {}
 
 
 def _scape_stats(opt_state) -> dict:
