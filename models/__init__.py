@@ -37,6 +37,14 @@ PRESETS: dict[str, Config] = {
     'llama-tiny': LlamaConfig(
         vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4,
         n_kv_heads=2, d_ff=192),
+    # Larger small models for the fidelity study (bench/fidelity.py): about
+    # 1M and 10M parameters at the byte vocabulary, still trainable on CPU.
+    'llama-1m': LlamaConfig(
+        vocab_size=256, max_seq_len=256, d_model=128, n_layers=5, n_heads=4,
+        n_kv_heads=2, d_ff=384),
+    'llama-10m': LlamaConfig(
+        vocab_size=256, max_seq_len=256, d_model=320, n_layers=8, n_heads=8,
+        n_kv_heads=4, d_ff=960),
     # H2O-Danube3-500M shape.
     'llama500m': LlamaConfig(
         vocab_size=32000, max_seq_len=8192, d_model=1536, n_layers=16,
