@@ -163,6 +163,7 @@ class ScapeConfig:
   density: float = 0.01  # Fraction of each compressed leaf sent, in (0, 1].
   density_warmup_steps: int = 0  # Exponential warmup from density 1.
   mask_encoding: str = 'auto'  # One of comm.masks.ENCODINGS.
+  variant: str = 'faithful'
 
 
 def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
@@ -172,7 +173,8 @@ def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
       lr, density=schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
       weight_decay=cfg.weight_decay,
       clip_norm=cfg.clip_norm if cfg.clip_norm > 0 else None,
-      axis_name=ctx.axis_name, mask_encoding=section.mask_encoding)
+      axis_name=ctx.axis_name, mask_encoding=section.mask_encoding,
+      variant=section.variant)
   return Built(tx, lambda step: {'density_level': schedule.level(step)})
 
 

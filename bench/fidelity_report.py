@@ -1,0 +1,277 @@
+"""Tables and plots of the fidelity study, from the JSON files of its runs.
+
+Called by `python bench/fidelity.py report`. Writes the "fidelity" section of
+docs/results.md and docs/bench/fidelity_*.png; runs that have not finished
+are listed as missing, never guessed.
+"""
+
+import json
+import math
+import os
+
+import matplotlib
+
+matplotlib.use('Agg')
+import matplotlib.pyplot as plt  # noqa: E402
+
+import fidelity  # noqa: E402
+from doc_sections import replace_section  # noqa: E402
+
+DOC = 'docs/results.md'
+PLOTS = 'docs/bench'
+WITHIN = 0.01  # "matches AdamS": final eval loss within 1%
+
+
+def _load(out: str, key: str):
+  path = os.path.join(out, 'runs', key + '.json')
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def _metrics(out: str, key: str) -> list:
+  path = os.path.join(out, 'runs', key, 'metrics.jsonl')
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def load_grid(out: str) -> dict:
+  """{(axis, value): {method: {seed: result}}} of the finished grid runs."""
+  grid = {}
+  for point, method, seed, overrides in fidelity.grid_runs():
+    result = _load(out, fidelity.run_key(overrides))
+    if result is not None:
+      grid.setdefault(point, {}).setdefault(method, {})[seed] = result
+  return grid
+
+
+def gaps(point_runs: dict, method: str) -> list:
+  """Per seed: eval loss of `method` / AdamS's - 1, where both finished."""
+  base = point_runs.get('AdamS', {})
+  runs = point_runs.get(method, {})
+  return [runs[s]['eval_loss'] / base[s]['eval_loss'] - 1
+          for s in sorted(runs) if s in base]
+
+
+def _fmt_gap(values: list) -> str:
+  if not values:
+    return 'n/a'
+  mean = sum(values) / len(values)
+  seeds = ', '.join(f'{100 * v:+.1f}' for v in values)
+  mark = ' **ok**' if all(abs(v) <= WITHIN for v in values) else ''
+  return f'{100 * mean:+.1f}% ({seeds}){mark}'
+
+
+def gap_table(grid: dict) -> list:
+  scape = [m for m in fidelity.METHODS if m != 'AdamS']
+  lines = ['| axis | value | AdamS eval | ' + ' | '.join(scape) + ' |',
+           '|---|---|---|' + '---|' * len(scape)]
+  for axis, value, _ in fidelity.POINTS:
+    runs = grid.get((axis, value), {})
+    base = [r['eval_loss'] for r in runs.get('AdamS', {}).values()]
+    base_txt = (f'{sum(base) / len(base):.3f}' if base else 'n/a')
+    cells = [_fmt_gap(gaps(runs, m)) for m in scape]
+    lines.append(f'| {axis} | {value or "(make results)"} | {base_txt} | ' +
+                 ' | '.join(cells) + ' |')
+  return lines
+
+
+def plot_gaps(grid: dict, path: str) -> None:
+  axes_names = [a for a in dict.fromkeys(p[0] for p in fidelity.POINTS)
+                if a != 'base']
+  fig, axes = plt.subplots(1, len(axes_names), figsize=(4 * len(axes_names),
+                                                         3.4), sharey=True)
+  base_value = {'b2': '0.95', 'lr': '3e-3', 'warmup': '50',
+                'model': 'llama-tiny', 'steps': '300'}
+  for ax, name in zip(axes, axes_names):
+    values = [base_value[name]] + [v for a, v, _ in fidelity.POINTS
+                                   if a == name]
+    points = [('base', '')] + [(name, v) for v in values[1:]]
+    for method in fidelity.METHODS:
+      if method == 'AdamS':
+        continue
+      xs, ys = [], []
+      for i, point in enumerate(points):
+        for g in gaps(grid.get(point, {}), method):
+          xs.append(i)
+          ys.append(100 * g)
+      if xs:
+        ax.plot(xs, ys, 'o', alpha=0.7, label=method)
+    ax.axhline(0, color='k', lw=0.8)
+    ax.axhspan(-100 * WITHIN, 100 * WITHIN, color='g', alpha=0.1)
+    ax.set_xticks(range(len(values)), values, rotation=20)
+    ax.set_title(name)
+  axes[0].set_ylabel('eval loss vs AdamS (%)')
+  axes[-1].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def plot_figure3(out: str, path: str) -> list:
+  """Loss gap and norms after the switch to top-10% gradients (Figure 3)."""
+  fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+  notes = []
+  for ax, base in zip(axes, ('adamw', 'adams')):
+    sw = _metrics(out, f'fig3_topk0.1_{base}_from{fidelity.FIG3_SWITCH}')
+    dense = _metrics(out, f'fig3_topk0.1_{base}_from{fidelity.FIG3_STEPS}')
+    sw = [r for r in sw if r['split'] == 'train']
+    dense = {r['step']: r['loss'] for r in dense if r['split'] == 'train'}
+    if not sw or not dense:
+      ax.set_title(f'{base}: runs missing')
+      continue
+    steps = [r['step'] for r in sw if r['step'] in dense]
+    ax.plot(steps, [next(r['loss'] for r in sw if r['step'] == s) - dense[s]
+                    for s in steps], 'k', lw=1, label='loss gap (top-k - dense)')
+    ax.set_xlabel('step')
+    ax.set_ylabel('loss gap')
+    ax.axvline(fidelity.FIG3_SWITCH, color='gray', ls=':')
+    twin = ax.twinx()
+    after = [r for r in sw if r['step'] > fidelity.FIG3_SWITCH]
+    twin.plot([r['step'] for r in after], [r['topk_grad_norm'] for r in after],
+              'b', lw=1, label='top-k gradient norm')
+    twin.plot([r['step'] for r in after], [r['residual_norm'] for r in after],
+              'r', lw=1, label='residual norm')
+    twin.set_ylabel('norm')
+    ax.set_title({'adamw': '(a) AdamW', 'adams': '(b) AdamS'}[base])
+    lines = ax.get_legend_handles_labels()
+    more = twin.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7)
+    tail = [r for r in after if r['step'] > fidelity.FIG3_STEPS - 50]
+    notes.append((base, sum(r['residual_norm'] for r in tail) / len(tail),
+                  sum(r['topk_grad_norm'] for r in tail) / len(tail),
+                  sw[-1]['loss'] - dense.get(sw[-1]['step'], math.nan)))
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return notes
+
+
+def plot_figure6(out: str, path: str, windows=((1, 100), (500, 600),
+                                               (900, 1000))) -> dict:
+  """Adjacent-step overlap of first-moment top-10% masks per layer."""
+  rows = [r for r in _metrics(out, 'fig6_overlap_adams')
+          if r['split'] == 'train']
+  layers = sorted(k for k in (rows[0] if rows else {})
+                  if k.startswith('overlap/'))
+  fig, axes = plt.subplots(1, len(windows), figsize=(5 * len(windows), 3.6),
+                           sharey=True)
+  means = {}
+  for ax, (lo, hi) in zip(axes, windows):
+    part = [r for r in rows if lo < r['step'] <= hi]
+    for name in layers:
+      ax.plot([r['step'] for r in part], [r[name] for r in part], lw=0.8,
+              label=name[len('overlap/'):])
+    if part:
+      means[(lo, hi)] = sum(r[n] for r in part for n in layers) / (
+          len(part) * len(layers))
+    ax.set_title(f'steps {lo}-{hi}')
+    ax.set_xlabel('step')
+  axes[0].set_ylabel('overlap of adjacent top-10% masks of |m|')
+  axes[-1].legend(fontsize=5, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return means
+
+
+DIAG_COLUMNS = (  # (stat, header, format)
+    ('fresh_frac', 'fresh share of M', '{:.2f}'),
+    ('staleness_fresh', 'steps since last in M', '{:.1f}'),
+    ('step_fresh', '\\|u\\| fresh', '{:.2f}'),
+    ('step_fresh_pred', '(1-b1)/sqrt(1-b2), bias-corrected', '{:.2f}'),
+    ('step_kept', '\\|u\\| kept', '{:.2f}'),
+    ('move_ratio', 'mean \\|u\\| / AdamS\'s', '{:.3f}'),
+    ('cos_adams', 'cos(u, u_AdamS)', '{:.2f}'),
+)
+
+
+def diagnosis(out: str, key: str, after: int) -> dict:
+  """Means of the probe's statistics over the steps after `after`."""
+  rows = [r for r in _metrics(out, key) if r['split'] == 'train'
+          and r['step'] > after and 'cos_adams' in r]
+  if not rows:
+    return {}
+  mean = lambda k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
+  stats = {k: mean(k) for k, _, _ in DIAG_COLUMNS if k != 'move_ratio'}
+  stats['move_ratio'] = mean('move_scape') / mean('move_adams')
+  every = max(1, len(rows) // 3)
+  stats['residual'] = [(r['step'], r['residual_norm']) for r in rows][::every]
+  stats['selected'] = {k.split('/', 1)[1]: v for k, v in rows[-1].items()
+                       if k.startswith('selected/')}
+  return stats
+
+
+def diagnosis_table(out: str, points=(('base', ''), ('b2', '0.999'))) -> list:
+  heads = [h for _, h, _ in DIAG_COLUMNS]
+  lines = ['| point | method | ' + ' | '.join(heads) +
+           ' | residual norm (step: value) | share of coordinates by '
+           'share of steps selected |',
+           '|---|---|' + '---|' * (len(heads) + 2)]
+  for point in points:
+    values = dict(((a, v), o) for a, v, o in fidelity.POINTS)[point]
+    for method, m in fidelity.METHODS.items():
+      if method == 'AdamS':
+        continue
+      key = fidelity.run_key(dict(values, **m, seed=0))
+      warm = values.get('optimizer.scape.density_warmup_steps', 50)
+      stats = diagnosis(out, key, warm)
+      if not stats:
+        continue
+      cells = [fmt.format(stats[k]) for k, _, fmt in DIAG_COLUMNS]
+      growth = ', '.join(f'{s}: {v:.2f}' for s, v in stats['residual'])
+      hist = ', '.join(f'{k} {100 * v:.0f}%' for k, v in
+                       stats['selected'].items())
+      label = f'{point[0]} {point[1]}'.strip()
+      lines.append(f'| {label} | {method} | ' + ' | '.join(cells) +
+                   f' | {growth} | {hist} |')
+  return lines
+
+
+def _cpu_hours(out: str) -> float:
+  total = 0.0
+  runs = os.path.join(out, 'runs')
+  for name in os.listdir(runs) if os.path.isdir(runs) else []:
+    if name.endswith('.json'):
+      with open(os.path.join(runs, name)) as f:
+        total += json.load(f).get('cpu_s', 0.0)
+  return total / 3600
+
+
+def write(out: str) -> None:
+  os.makedirs(PLOTS, exist_ok=True)
+  grid = load_grid(out)
+  plot_gaps(grid, os.path.join(PLOTS, 'fidelity_gaps.png'))
+  fig3 = plot_figure3(out, os.path.join(PLOTS, 'fidelity_figure3.png'))
+  fig6 = plot_figure6(out, os.path.join(PLOTS, 'fidelity_figure6.png'))
+  expected = len(fidelity.grid_runs())
+  done = sum(len(s) for m in grid.values() for s in m.values())
+  lines = ['## Fidelity: where SCAPE matches AdamS', '',
+           'This section is generated by `python bench/fidelity.py report` '
+           f'from the runs in `{out}`; do not edit it by hand. '
+           f'{done} of {expected} grid runs finished '
+           f'({_cpu_hours(out):.1f} CPU hours in all runs).', '',
+           '### The gap', '',
+           'Final eval loss of each SCAPE setting relative to AdamS at the '
+           'same hyperparameters and seed (mean, then each seed; **ok**: '
+           f'within {100 * WITHIN:.0f}% for every seed).', '']
+  lines += gap_table(grid)
+  lines += ['', '![gap per axis](bench/fidelity_gaps.png)', '',
+            '### Figure 3 at small scale', '',
+            '![Figure 3](bench/fidelity_figure3.png)', '']
+  for base, residual, topk, gap in fig3:
+    lines.append(f'- {base}: over the last 50 steps residual norm '
+                 f'{residual:.2f}, top-k gradient norm {topk:.2f}; final '
+                 f'loss gap {gap:+.3f}.')
+  lines += ['', '### Figure 6 at small scale', '',
+            '![Figure 6](bench/fidelity_figure6.png)', '']
+  for (lo, hi), mean in fig6.items():
+    lines.append(f'- steps {lo}-{hi}: mean overlap over layers {mean:.2f}')
+  lines += ['', '### Diagnosis (probe, seed 0, steps after the density '
+            'warmup)', '']
+  lines += diagnosis_table(out)
+  replace_section(DOC, 'fidelity', '\n'.join(lines))
+  print('\n'.join(lines))
