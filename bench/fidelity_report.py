@@ -69,7 +69,7 @@ def gap_table(grid: dict) -> list:
   scape = [m for m in fidelity.METHODS if m != 'AdamS']
   lines = ['| axis | value | AdamS eval | ' + ' | '.join(scape) + ' |',
            '|---|---|---|' + '---|' * len(scape)]
-  for axis, value, _ in fidelity.POINTS:
+  for axis, value, _, _ in fidelity.POINTS:
     runs = grid.get((axis, value), {})
     base = [r['eval_loss'] for r in runs.get('AdamS', {}).values()]
     base_txt = (f'{sum(base) / len(base):.3f}' if base else 'n/a')
@@ -87,7 +87,7 @@ def plot_gaps(grid: dict, path: str) -> None:
   base_value = {'b2': '0.95', 'lr': '3e-3', 'warmup': '50',
                 'model': 'llama-tiny', 'steps': '300'}
   for ax, name in zip(axes, axes_names):
-    values = [base_value[name]] + [v for a, v, _ in fidelity.POINTS
+    values = [base_value[name]] + [v for a, v, _, _ in fidelity.POINTS
                                    if a == name]
     points = [('base', '')] + [(name, v) for v in values[1:]]
     for method in fidelity.METHODS:
@@ -212,7 +212,7 @@ def diagnosis_table(out: str, points=(('base', ''), ('b2', '0.999'))) -> list:
            'share of steps selected |',
            '|---|---|' + '---|' * (len(heads) + 2)]
   for point in points:
-    values = dict(((a, v), o) for a, v, o in fidelity.POINTS)[point]
+    values = dict(((a, v), o) for a, v, o, _ in fidelity.POINTS)[point]
     for method, m in fidelity.METHODS.items():
       if method == 'AdamS':
         continue

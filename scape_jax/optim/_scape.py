@@ -28,6 +28,13 @@ from scape_jax.optim import _common
 from scape_jax.optim._common import MaskOrFn, ScalarOrSchedule
 
 
+# The update rules `scale_by_scape` offers; all send the same bytes.
+#   'faithful': Algorithm 1 of the paper.
+#   'fresh': a coordinate whose first moment restarts from zero (it enters M
+#     with m_{t-1} = 0) is bias-corrected as at step 1 (docs/design.md).
+VARIANTS = ('faithful', 'fresh')
+
+
 class ScaleByScapeState(NamedTuple):
   """State of `scale_by_scape`."""
   count: jax.Array  # int32: completed updates.
@@ -36,7 +43,6 @@ class ScaleByScapeState(NamedTuple):
   mask: optax.Updates  # Per worker: own chunk bitmap, uint32 [W, words]; MaskedNode on dense leaves.
   residual_norm: jax.Array  # Per worker: ||e^n|| after the last step, f32[W].
   density: jax.Array  # f32: density in force at the last step.
-  age: optax.Updates = optax.MaskedNode()  # int32 steps since in M (variant 'stale').
 
   # Fields that differ per worker and carry the leading worker axis.
   PER_WORKER_FIELDS = ('residual', 'mask', 'residual_norm')
@@ -188,6 +194,13 @@ def scale_by_scape(
     density_warmup_steps: steps of the exponential warmup from density 1.
     mask_encoding: one of `masks.ENCODINGS`: 'auto' (the smaller of the
       two), 'bitmap' or 'indices'.
+    variant: one of `VARIANTS`. 'faithful' is Algorithm 1. 'fresh' changes
+      one thing: where the previous first moment is zero (a coordinate that
+      enters M after waiting outside it), the preconditioner is
+      `v = bbar**2 * (1 - b2**t) / (1 - b1**t)**2`, so that the coordinate
+      takes AdamS's first step, of size 1, instead of
+      `(1 - b1) / sqrt(1 - b2)` (0.45 at b2 = 0.95, 3.2 at 0.999). Same
+      collectives, bytes and state.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`. `update` accepts the extra
@@ -215,6 +228,8 @@ def scale_by_scape(
   if mask_encoding not in masks.ENCODINGS:
     raise ValueError(f'scape: mask_encoding={mask_encoding!r}; allowed: '
                      f'{masks.ENCODINGS}.')
+  if variant not in VARIANTS:
+    raise ValueError(f'scape: variant={variant!r}; allowed: {VARIANTS}.')
   hyper = _Hyper(b1=b1, b2=b2, eps=eps, clip_norm=clip_norm,
                  axis_name=axis_name, encoding=mask_encoding, levels=levels,
                  variant=variant)
@@ -240,9 +255,7 @@ def scale_by_scape(
         residual=plan.treedef.unflatten(residual),
         mask=plan.treedef.unflatten(own_mask),
         residual_norm=per_worker(jnp.zeros([], jnp.float32)),
-        density=jnp.ones([], jnp.float32),
-        age=(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.int32), params)
-             if variant.startswith('stale') else optax.MaskedNode()))
+        density=jnp.ones([], jnp.float32))
 
   def update_fn(updates, state, params=None, *, density_level=None, **extra):
     del params, extra
@@ -294,23 +307,14 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
   k_now = [None if ks is None else ks[level] for ks in k_levels]
 
   moment = _semi_updated_moment(grad_leaves, mu, flat(state.residual),
-                                plan, hyper.b1, hyper.variant)
+                                plan, hyper.b1)
   offsets = _exchange_masks(flat(state.mask), plan, k_now, hyper)
   bbar = _exchange_payload(moment, plan, offsets, hyper.axis_name)
-  bbar, gbar, residual, in_mask = _reconstruct(moment, mu, bbar, plan,
-                                               offsets, hyper)
+  bbar, gbar, residual = _reconstruct(moment, mu, bbar, plan, offsets,
+                                      hyper.b1)
   gbar = _clip(gbar, hyper.clip_norm)
   count = optax.safe_increment(state.count)
-  stale = None
-  age = state.age
-  if hyper.variant.startswith('stale'):
-    ages = flat(state.age)
-    stale = [None if mk is None else (a + 1).astype(jnp.float32)
-             for a, mk in zip(ages, in_mask)]
-    age = plan.treedef.unflatten(
-        [a if mk is None else jnp.where(mk, 0, a + 1)
-         for a, mk in zip(ages, in_mask)])
-  direction = _direction(mu, bbar, gbar, count, hyper, in_mask, stale)
+  direction = _direction(mu, bbar, gbar, count, hyper)
   own_mask = _next_own_masks(moment, plan, k_levels, level,
                              schedule.level(state.count + 1), hyper.axis_name)
 
@@ -325,8 +329,7 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
       mask=plan.treedef.unflatten(
           [optax.MaskedNode() if o is None else vary(o) for o in own_mask]),
       residual_norm=vary(jnp.sqrt(residual_sq)[None]),
-      density=jnp.asarray(hyper.levels[level], jnp.float32),
-      age=age)
+      density=jnp.asarray(hyper.levels[level], jnp.float32))
   direction = [d.astype(g.dtype) for d, g in zip(direction, flat(grads))]
   return plan.treedef.unflatten(direction), new_state
 
@@ -335,13 +338,10 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
 # The phases of one update, in order. Lists run over the leaves of the tree.
 
 
-def _semi_updated_moment(grads, mu, residual, plan, b1, variant='faithful'):
+def _semi_updated_moment(grads, mu, residual, plan, b1):
   """m~ = b1 m + (1 - b1) g^n + e^n (the residual only on compressed leaves)."""
   moment = []
   for g, m, e, layout in zip(grads, mu, residual, plan.layouts):
-    if layout is not None and variant == 'innovation':
-      moment.append((1.0 - b1) * g + e[0])
-      continue
     mt = b1 * m + (1.0 - b1) * g
     moment.append(mt if layout is None else mt + e[0])
   return moment
@@ -380,46 +380,26 @@ def _exchange_payload(moment, plan, offsets, axis_name):
   return _split(mean, [x.size for x in payload])
 
 
-def _reconstruct(moment, mu, bbar_parts, plan, offsets, hyper):
+def _reconstruct(moment, mu, bbar_parts, plan, offsets, b1):
   """bbar at full shape, the mean gradient at M (Eq. 3) and the new residual.
 
   Outside M, bbar and gbar are zero and the residual keeps m~; dense leaves
   have no residual (None) or, compressed but dense at this level, zeros.
   """
-  b1 = hyper.b1
-  keep = hyper.variant in ('hold', 'coast', 'hold_fresh', 'coast_fresh')
-  bbar, gbar, residual, masks_ = [], [], [], []
+  bbar, gbar, residual = [], [], []
   for j, (mt, m, values) in enumerate(zip(moment, mu, bbar_parts)):
     shape, layout = plan.shapes[j], plan.layouts[j]
-    if offsets[j] is not None and hyper.variant == 'innovation':
+    if offsets[j] is not None:
       b, in_mask = _scatter(values, layout, offsets[j], shape)
       residual.append(jnp.where(in_mask, 0.0, mt)[None])
-      gbar.append(b / (1.0 - b1))
-      b = b1 * m + b
-      masks_.append(in_mask)
-    elif offsets[j] is not None:
-      b, in_mask = _scatter(values, layout, offsets[j], shape)
-      if keep:
-        residual.append(jnp.where(in_mask, 0.0, mt - b1 * m)[None])
-        b = jnp.where(in_mask, b, b1 * m)
-      else:
-        residual.append(jnp.where(in_mask, 0.0, mt)[None])
       gbar.append(jnp.where(in_mask, (b - b1 * m) / (1.0 - b1), 0.0))
-      masks_.append(in_mask)
-    elif layout is not None and hyper.variant == 'innovation':
-      b = values.reshape(shape)
-      gbar.append(b / (1.0 - b1))
-      b = b1 * m + b
-      residual.append(jnp.zeros((1,) + shape, jnp.float32))
-      masks_.append(None)
     else:
       b = values.reshape(shape)
       gbar.append((b - b1 * m) / (1.0 - b1))
       residual.append(None if layout is None else
                       jnp.zeros((1,) + shape, jnp.float32))
-      masks_.append(None)
     bbar.append(b)
-  return bbar, gbar, residual, masks_
+  return bbar, gbar, residual
 
 
 def _clip(gbar, clip_norm):
@@ -432,26 +412,27 @@ def _clip(gbar, clip_norm):
   return [g * factor for g in gbar]
 
 
-def _direction(mu_prev, bbar, gbar, count, hyper, in_mask, stale=None):
+def _direction(mu_prev, bbar, gbar, count, hyper):
   """The AdamS direction: v from the previous m and gbar, m = bbar."""
   nu = [hyper.b2 * m * m + (1.0 - hyper.b2) * g * g
         for m, g in zip(mu_prev, gbar)]
-  if hyper.variant in ('fresh', 'hold_fresh', 'coast_fresh') or hyper.variant.startswith('stale'):
-    t = count.astype(jnp.float32)
-    ratio = (1.0 - hyper.b2 ** t) / (1.0 - hyper.b1 ** t) ** 2
-    nu = [v if mk is None else jnp.where(mk & (m == 0), b * b * ratio, v)
-          for v, m, b, mk in zip(nu, mu_prev, bbar, in_mask)]
-  d = _common.bias_corrected_direction(bbar, nu, count, b1=hyper.b1,
-                                       b2=hyper.b2, eps=hyper.eps)
-  if hyper.variant in ('hold', 'hold_fresh'):
-    d = [x if mk is None else jnp.where(mk, x, 0.0) for x, mk in zip(d, in_mask)]
-  if stale is not None:
-    cap = 1.0 / hyper.levels[-1]
-    f = {'stale': lambda a: jnp.minimum(a, cap),
-         'stale_sqrt': lambda a: jnp.sqrt(jnp.minimum(a, cap)),
-         'stale_nocap': lambda a: a}[hyper.variant]
-    d = [x if a is None else x * f(a) for x, a in zip(d, stale)]
-  return d
+  if hyper.variant == 'fresh':
+    nu = _restart_preconditioner(mu_prev, bbar, nu, count, hyper)
+  return _common.bias_corrected_direction(bbar, nu, count, b1=hyper.b1,
+                                          b2=hyper.b2, eps=hyper.eps)
+
+
+def _restart_preconditioner(mu_prev, bbar, nu, count, hyper):
+  """Variant 'fresh': v where m_{t-1} = 0 makes the step AdamS's first, +-1.
+
+  With v = bbar**2 * c2 / c1**2 the bias-corrected direction is
+  `(bbar / c1) / (|bbar| / c1) = sign(bbar)`. Outside M bbar is 0 and so is
+  the direction, as in Algorithm 1; at step 1 this v equals AdamS's.
+  """
+  t = count.astype(jnp.float32)
+  ratio = (1.0 - hyper.b2**t) / (1.0 - hyper.b1**t)**2
+  return [jnp.where(m == 0, b * b * ratio, v)
+          for m, b, v in zip(mu_prev, bbar, nu)]
 
 
 def _next_own_masks(moment, plan, k_levels, level, next_level, axis_name):
@@ -556,7 +537,7 @@ def scape(
     density: fraction of each compressed leaf sent per step, in (0, 1], or a
       `DensitySchedule`.
     b1, b2, eps, clip_norm, axis_name, compress, density_warmup_steps,
-      mask_encoding: see `scale_by_scape`.
+      mask_encoding, variant: see `scale_by_scape`.
     weight_decay: decoupled weight-decay strength.
     weight_decay_mask: optional tree or callable of bools selecting the leaves
       that get weight decay.
