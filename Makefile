@@ -3,7 +3,7 @@
 PY ?= python3
 CPU8 = JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8
 
-.PHONY: install test demo bench dry-run results
+.PHONY: install test demo bench dry-run results fidelity
 
 install:
 	$(PY) -m pip install -q -r requirements.txt
@@ -19,7 +19,7 @@ dry-run:
 	  JAX_PLATFORMS=cpu $(PY) train.py --config configs/$$c.py --dry-run || exit 1; \
 	done
 
-# Same model, data and mesh under each method (about 10 minutes on 2 cores).
+# Same model, data and mesh under each method (six 300-step runs).
 results:
 	rm -rf runs/convergence
 	$(CPU8) $(PY) bench/convergence.py --steps 300
@@ -31,3 +31,11 @@ bench:
 	JAX_PLATFORMS=cpu $(PY) bench/projected_step_time.py --model llama500m --workers 32
 	JAX_PLATFORMS=cpu $(PY) bench/projected_step_time.py --model llama500m --workers 32 --effective-tflops 400 --tokens-per-worker 131072
 	JAX_PLATFORMS=cpu $(PY) bench/projected_step_time.py --model llama1.8b --workers 32 --effective-tflops 400 --tokens-per-worker 65536
+
+# The fidelity study (docs/results.md, "Fidelity"): resumable, niced; each
+# command starts no new run after --hours. Two `grid` processes may run at
+# once (lock files share the runs out).
+fidelity:
+	$(CPU8) nice -n 10 $(PY) bench/fidelity.py figures --hours 12
+	$(CPU8) nice -n 10 $(PY) bench/fidelity.py grid --hours 12
+	$(CPU8) $(PY) bench/fidelity.py report

@@ -206,6 +206,10 @@ def figure_runs() -> list:
                    {'register_topk': [kwargs], 'log_every': 5}))
   runs.append(('fig6_overlap_adams', {'optimizer.name': 'overlap_adams',
                                       'steps': FIG6_STEPS}, {'log_every': 1}))
+  kwargs = dict(base='adams', stage='gradient', density=0.1, warmup_steps=50)
+  runs.append(('topk_gradient_d0.1_b20.95',
+               {'optimizer.name': 'topk0.1_gradient_adams_warmup50'},
+               {'register_topk': [kwargs]}))
   for b2 in (0.95, 0.999):
     for density in (0.1, 0.01):
       kwargs = dict(base='adams', stage='update', density=density,
