@@ -70,8 +70,8 @@ POINTS = [
     ('warmup', '300', {'optimizer.scape.density_warmup_steps': 300}, FAITHFUL),
     ('model', 'llama-1m', {'model.preset': 'llama-1m'}, FAITHFUL),
     ('steps', '1000', {'steps': 1000}, FAITHFUL),
-    ('model', 'llama-10m', {'model.preset': 'llama-10m'}, FAITHFUL),
     ('steps', '3000', {'steps': 3000}, FAITHFUL),
+    ('model', 'llama-10m', {'model.preset': 'llama-10m'}, FAITHFUL),
 ]
 
 
@@ -137,6 +137,25 @@ def run_one(spec: dict) -> dict:
   }
 
 
+def _claim(lock: str) -> bool:
+  """Creates `lock` holding our pid; False if a live process holds it."""
+  for _ in range(2):
+    try:
+      fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+      try:
+        with open(lock) as f:
+          os.kill(int(f.read().strip() or 0), 0)  # still running?
+        return False
+      except (ProcessLookupError, ValueError):
+        os.remove(lock)  # left by a process that was killed
+        continue
+    with os.fdopen(fd, 'w') as f:
+      f.write(str(os.getpid()))
+    return True
+  return False
+
+
 def ensure(out: str, key: str, overrides: dict, deadline: float,
            **extra) -> dict | None:
   """The JSON of run `key`, running it first if it is missing.
@@ -151,10 +170,8 @@ def ensure(out: str, key: str, overrides: dict, deadline: float,
   if time.time() > deadline:
     return None
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  try:  # another `grid`/`figures` process may be running it: skip it here
-    os.close(os.open(path + '.lock', os.O_CREAT | os.O_EXCL))
-  except FileExistsError:
-    return None
+  if not _claim(path + '.lock'):
+    return None  # another `grid`/`figures` process is running it
   spec = dict(extra, overrides=overrides, json=path,
               run_dir=os.path.join(out, 'runs', key))
   log = path[:-5] + '.log'

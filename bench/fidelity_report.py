@@ -150,9 +150,11 @@ def plot_figure3(out: str, path: str) -> list:
   return notes
 
 
-def plot_figure6(out: str, path: str, windows=((1, 100), (500, 600),
-                                               (900, 1000))) -> dict:
-  """Adjacent-step overlap of first-moment top-10% masks per layer."""
+def plot_figure6(out: str, path: str) -> dict:
+  """Adjacent-step overlap of first-moment top-10% masks per layer, in
+  three windows of 100 steps: the start, the middle and the end."""
+  end = fidelity.FIG6_STEPS
+  windows = ((0, 100), (end // 2 - 50, end // 2 + 50), (end - 100, end))
   rows = [r for r in _metrics(out, 'fig6_overlap_adams')
           if r['split'] == 'train']
   layers = sorted(k for k in (rows[0] if rows else {})
