@@ -163,7 +163,7 @@ class ScapeConfig:
   density: float = 0.01  # Fraction of each compressed leaf sent, in (0, 1].
   density_warmup_steps: int = 0  # Exponential warmup from density 1.
   mask_encoding: str = 'auto'  # One of comm.masks.ENCODINGS.
-  variant: str = 'faithful'  # One of optim VARIANTS; 'faithful' = Alg. 1.
+  variant: str = 'faithful'  # 'faithful' (Alg. 1) or 'fresh' (docs/design.md).
 
 
 def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
