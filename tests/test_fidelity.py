@@ -118,3 +118,22 @@ def test_probe_changes_no_update_and_measures_the_fresh_step():
              if k.startswith('selected/'))
   assert hist == pytest.approx(1.0)
   assert 0 < float(s_probe.stats['cos_adams']) < 1
+
+
+def test_grid_keys_share_identical_runs_and_every_point_has_adams():
+  spec = importlib.util.spec_from_file_location(
+      'fidelity', os.path.join(_BENCH, 'fidelity.py'))
+  fidelity = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(fidelity)
+  runs = fidelity.grid_runs()
+  keys = {}
+  for point, method, seed, overrides in runs:
+    keys.setdefault((point, method, seed), fidelity.run_key(overrides))
+  # AdamS ignores SCAPE's warmup: the warmup points reuse the base AdamS run.
+  assert (keys[(('warmup', '0'), 'AdamS', 0)] ==
+          keys[(('base', ''), 'AdamS', 0)] == 'name=adams,seed=0')
+  assert keys[(('warmup', '0'), 'SCAPE d=0.1', 0)] != keys[
+      (('base', ''), 'SCAPE d=0.1', 0)]
+  assert len(set(keys.values())) < len(keys)
+  for axis, value, _, names in fidelity.POINTS:
+    assert 'AdamS' in names and len(fidelity.SEEDS) == 2, (axis, value)
