@@ -116,8 +116,9 @@ def plot_figure3(out: str, path: str) -> list:
   fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
   notes = []
   for ax, base in zip(axes, ('adamw', 'adams')):
-    sw = _metrics(out, f'fig3_topk0.1_{base}_from{fidelity.FIG3_SWITCH}')
-    dense = _metrics(out, f'fig3_topk0.1_{base}_from{fidelity.FIG3_STEPS}')
+    sw = _metrics(out, f'fig3_topk0.1_gradient_{base}_from{fidelity.FIG3_SWITCH}')
+    dense = _metrics(out, f'fig3_topk0.1_gradient_{base}_from'
+                     f'{fidelity.FIG3_STEPS}')
     sw = [r for r in sw if r['split'] == 'train']
     dense = {r['step']: r['loss'] for r in dense if r['split'] == 'train'}
     if not sw or not dense:
