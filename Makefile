@@ -3,13 +3,34 @@
 PY ?= python3
 CPU8 = JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8
 
-.PHONY: install test demo bench dry-run results fidelity
+.PHONY: install install-hf install-eval test test-hf demo bench \
+	bench-network dry-run results eval-downstream fidelity
 
 install:
 	$(PY) -m pip install -q -r requirements.txt
 
+# Hugging Face export/import (torch, transformers, safetensors) and
+# lm-evaluation-harness; see requirements-hf.txt and requirements-eval.txt.
+install-hf:
+	$(PY) -m pip install -q -r requirements.txt -r requirements-hf.txt
+
+install-eval: install-hf
+	$(PY) -m pip install -q -r requirements-eval.txt
+
 test:
 	$(CPU8) $(PY) -m pytest -q tests
+
+# Logit parity with transformers, export and import (needs make install-hf;
+# `make test` skips these without it).
+test-hf:
+	$(CPU8) $(PY) -m pytest -q -rs tests/test_hf.py tests/test_hf_convert.py
+
+# lm-evaluation-harness on a run's exported model (needs make install-eval):
+#   make eval-downstream RUN=runs/shakespeare_llama_tiny [TASKS=a,b]
+eval-downstream:
+	@test -n "$(RUN)" || { echo 'usage: make eval-downstream RUN=runs/NAME [TASKS=...]'; exit 2; }
+	JAX_PLATFORMS=cpu $(PY) bench/eval_downstream.py --run $(RUN) \
+	  $(if $(TASKS),--tasks $(TASKS)) $(EVAL_FLAGS)
 
 demo:
 	$(CPU8) $(PY) train.py --config configs/shakespeare_llama_tiny.py
@@ -19,7 +40,7 @@ dry-run:
 	  JAX_PLATFORMS=cpu $(PY) train.py --config configs/$$c.py --dry-run || exit 1; \
 	done
 
-# Same model, data and mesh under each method (six 300-step runs).
+# Same model, data and mesh under each method (one 300-step run each).
 results:
 	rm -rf runs/convergence
 	$(CPU8) $(PY) bench/convergence.py --steps 300
@@ -28,9 +49,16 @@ results:
 bench:
 	JAX_PLATFORMS=cpu $(PY) bench/comm_volume.py
 	JAX_PLATFORMS=cpu $(PY) bench/optimizer_overhead.py
+	JAX_PLATFORMS=cpu $(PY) bench/fcdp_volume.py
 	JAX_PLATFORMS=cpu $(PY) bench/projected_step_time.py --model llama500m --workers 32
 	JAX_PLATFORMS=cpu $(PY) bench/projected_step_time.py --model llama500m --workers 32 --effective-tflops 400 --tokens-per-worker 131072
 	JAX_PLATFORMS=cpu $(PY) bench/projected_step_time.py --model llama1.8b --workers 32 --effective-tflops 400 --tokens-per-worker 65536
+
+# Step time and kernel-counted bytes over rate-limited links: 4 train.py
+# processes in 4 network namespaces (root only; see docs/benchmarks.md for
+# the duration). Writes docs/bench/network.{csv,md,png}.
+bench-network:
+	$(PY) bench/network.py
 
 # The fidelity study (docs/results.md, "Fidelity"): resumable, niced; each
 # command starts no new run after --hours. Two `grid` processes may run at

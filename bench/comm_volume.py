@@ -12,9 +12,29 @@ devices, and its collectives are read from the optimized HLO
                      mask    (N-1)/N * 4 * N * w, w = one worker's mask words
                      (design note, section 3; `masks.LeafLayout`)
 
+  Radius             dense and resample steps: the dense all-reduce;
+                     sparse steps 2 (N-1)/N * 4 * V, V = sum over compressed
+                     leaves of min(size, k (2r+1)) slots, k = ceil(d size),
+                     + the other leaves' elements; the period average is
+                     ((T-1) sparse + resample) / T (design note, "Radius")
+  DeMo               one all-gather of (N-1) * B bytes, B = sum over leaves
+                     of chunks * min(topk, chunk size) * (4 B amplitude + 1,
+                     2 or 4 B index) (design note, "DeMo")
+
 A compressed leaf whose k equals its chunk (density 1) is sent dense and has no
 mask, exactly as `scale_by_scape` does. Measured minus analytic is reported,
-never hidden.
+never hidden. Radius has one row per step kind (each its own compiled
+program) and one for the average over a period of T steps.
+
+DiLoCo/Pier (a second table, `comm_volume_outer.*`): N workers in N/G replica
+groups of G = 4 ('replica' x 'data'); the inner step and the sync step are
+separate programs, both compiled and measured:
+
+  inner step         2 (G-1)/G * 4 * params          (AdamW within the group)
+  sync step          inner + 2 (R-1)/R * 4 * params  (mean of the change over
+                                                      the R = N/G groups)
+  amortised over r   inner + (sync - inner) / r
+  Pier's lazy start  AdamW over all N workers: the dense adamw row
 
 Rows whose program is provably identical to one already compiled share it:
 `mask_encoding='auto'` resolves to one encoding per leaf, and when that is the
@@ -24,6 +44,10 @@ say so in the `program` column; `--no-dedupe` compiles them anyway.
 
   python bench/comm_volume.py                       # the full table + plot
   python bench/comm_volume.py --models llama-tiny --workers 8 --no-plot
+  python bench/comm_volume.py --models llama-tiny --workers 8 32 --no-plot \
+      --outer-only                                  # DiLoCo/Pier rows only
+  python bench/comm_volume.py --models llama-tiny --workers 8 --no-plot \
+      --methods adamw radius demo
 """
 
 import argparse
@@ -50,76 +74,35 @@ import jax  # noqa: E402
 
 from scape_jax import analysis  # noqa: E402
 from scape_jax.train import config as config_lib  # noqa: E402
-from scape_jax.comm import masks  # noqa: E402
 from scape_jax import train as trainer  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from comm_analytic import DEMO_CHUNK, RADIUS_INTERVAL  # noqa: E402
+from comm_analytic import dense_bytes, demo_bytes, radius_bytes  # noqa: E402
+from comm_analytic import resolved_name, scape_bytes  # noqa: E402
 
 MODELS = ('llama-tiny', 'gpt345m', 'llama500m', 'llama1.8b')
 WORKERS = (8, 32)
 DENSITIES = (0.1, 0.01)
 ENCODINGS = ('bitmap', 'indices', 'auto')
+METHODS = ('adamw', 'adams', 'scape', 'radius', 'demo')
+RADIUS_DENSITIES = (0.5,)  # The paper's GPT-355M setting.
+RADIUS_KINDS = ('dense', 'resample', 'sparse')
+DEMO_TOPKS = (32,)  # The paper's s = 64, k = 32.
 PLOT_DENSITIES = (1.0, 0.1, 0.03, 0.01, 0.001)
 PLOT_MODEL, PLOT_N = 'llama500m', 32
+GROUP_SIZE = 4  # DiLoCo/Pier rows: workers per replica group (one node).
+SYNC_EVERY = (50, 500)  # r of the amortised columns (Pier's range).
 # Only LLVM's optimization of the generated CPU code; HLO passes (where the
 # collectives are formed and combined) are unaffected. `--full-backend-opt`.
 FAST_BACKEND_FLAG = '--xla_backend_optimization_level=0'
 OUT = os.path.join(ROOT, 'docs', 'bench')
 CSV_FIELDS = ('model', 'params', 'N', 'method', 'density', 'encoding',
-              'resolved', 'measured_bytes', 'analytic_bytes', 'diff_bytes',
+              'variant', 'resolved', 'measured_bytes', 'analytic_bytes', 'diff_bytes',
               'measured_allreduce_bytes', 'measured_allgather_bytes',
               'analytic_payload_bytes', 'analytic_mask_bytes',
               'reduction_measured', 'reduction_analytic', 'program',
               'compile_s')
-
-
-# ----------------------------------------------------------------------------
-# Analytic figures.
-
-
-def dense_bytes(params: int, n: int) -> float:
-  """Dense AdamW/AdamS: one ring all-reduce of every fp32 gradient."""
-  return analysis.ring_all_reduce_bytes(4 * params, n)
-
-
-def scape_bytes(shapes, n: int, density: float, encoding: str) -> dict:
-  """SCAPE's bytes per device per step (design note section 3).
-
-  Args:
-    shapes: the parameter shapes; leaves with ndim >= 2 are compressed.
-    n: data-parallel workers.
-    density: the density in force (steady state).
-    encoding: requested mask encoding, 'auto' | 'bitmap' | 'indices'.
-
-  Returns:
-    payload_values, mask_words (one worker's), payload_bytes, mask_bytes,
-    bytes (their sum), resolved (the set of per-leaf encodings used) and
-    per_leaf (each leaf's wire encoding, None where it is sent dense).
-  """
-  values, words, per_leaf = 0, 0, []
-  for shape in shapes:
-    size = math.prod(shape)
-    enc = None
-    if len(shape) >= 2:
-      lay = masks.LeafLayout.create(size, n)
-      k = masks.chunk_k(density, lay.chunk_size)
-      if k < lay.chunk_size:  # Sparse: N chunks of k values, plus the mask.
-        enc = lay.encoding(k, encoding)
-        values += n * k
-        words += lay.mask_words(k, encoding)
-    if enc is None:
-      values += size  # Dense leaf (or k == chunk): every element.
-    per_leaf.append(enc)
-  payload = analysis.ring_all_reduce_bytes(4 * values, n)
-  mask = analysis.ring_all_gather_bytes(4 * words * n, n) if words else 0.0
-  return {'payload_values': values, 'mask_words': words,
-          'payload_bytes': payload, 'mask_bytes': mask,
-          'bytes': payload + mask, 'per_leaf': tuple(per_leaf),
-          'resolved': {e for e in per_leaf if e is not None}}
-
-
-def resolved_name(resolved) -> str:
-  if not resolved:
-    return 'dense'
-  return next(iter(resolved)) if len(resolved) == 1 else 'mixed'
 
 
 # ----------------------------------------------------------------------------
@@ -135,15 +118,27 @@ def make_config(model: str, n: int, method: str, density=None,
     over += [f'--config.optimizer.scape.density={density}',
              f'--config.optimizer.scape.mask_encoding={encoding}',
              '--config.optimizer.scape.density_warmup_steps=0']
+  elif method == 'radius':  # Kinds by step: 0 dense, T-1 resample, T sparse.
+    over += [f'--config.optimizer.radius.density={density}',
+             f'--config.optimizer.radius.interval={RADIUS_INTERVAL}',
+             '--config.optimizer.radius.dense_fraction=0.0',
+             f'--config.steps={2 * RADIUS_INTERVAL}']
+  elif method == 'demo':  # `density` is DeMo's topk here.
+    over += [f'--config.optimizer.demo.topk={density}',
+             f'--config.optimizer.demo.chunk={DEMO_CHUNK}']
   return config_lib.load(None, over)
 
 
-def measure(cfg: config_lib.Config) -> dict:
-  """Compiles the steady-state train step; its collectives and timing."""
-  n = cfg.mesh.data
+RADIUS_STEP = {'dense': 0, 'resample': RADIUS_INTERVAL - 1,
+               'sparse': RADIUS_INTERVAL}  # completed updates -> kind
+
+
+def measure(cfg: config_lib.Config, step=None) -> dict:
+  """Compiles the train step after `step` updates (default: the last one)."""
+  n = cfg.mesh.data * cfg.mesh.replica
   program = trainer.build_program(cfg, jax.devices()[:n])
   t0 = time.perf_counter()
-  compiled = program.compile_step(cfg.steps)
+  compiled = program.compile_step(cfg.steps if step is None else step)
   seconds = time.perf_counter() - t0
   cols = analysis.collectives_from_hlo(compiled.as_text())
   by_kind = {}
@@ -170,6 +165,18 @@ def run_group(task) -> list:
   Returns one row per requested encoding (one row for dense methods).
   """
   model, n, method, density, encodings, dedupe = task
+  if method == 'diloco':
+    return run_outer_group(model, n)
+  if method == 'radius':
+    return radius_rows(model, n, density)
+  if method == 'demo':
+    m = measure(make_config(model, n, 'demo', density))
+    shapes = [tuple(s) for s in m['shapes']]
+    return [dict(m, model=model, N=n, method='demo', density=None,
+                 setting=density, encoding=None,
+                 variant=f'k={density} s={DEMO_CHUNK}',
+                 resolved='dense', program='compiled',
+                 analytic=demo_bytes(shapes, n, density)['bytes'])]
   if method != 'scape':
     m = measure(make_config(model, n, method))
     return [dict(m, model=model, N=n, method=method, density=None,
@@ -196,6 +203,63 @@ def run_group(task) -> list:
                      analytic_mask=an['mask_bytes']))
   order = {e: i for i, e in enumerate(encodings)}
   return sorted(rows, key=lambda r: order[r['encoding']])
+
+
+def outer_config(model: str, n: int, seq_len: int = 128) -> config_lib.Config:
+  """DiLoCo (AdamW inside) on N/G groups of G; step 0 inner, step 1 sync."""
+  return config_lib.load(None, [
+      f'--config.model.preset={model}', '--config.optimizer.name=diloco',
+      f'--config.mesh.replica={n // GROUP_SIZE}',
+      f'--config.mesh.data={GROUP_SIZE}', f'--config.data.batch_size={n}',
+      f'--config.data.seq_len={seq_len}', '--config.steps=2',
+      '--config.optimizer.diloco.sync_every=2'])
+
+
+def run_outer_group(model: str, n: int) -> list:
+  """The inner and the sync program of DiLoCo/Pier, each compiled."""
+  cfg = outer_config(model, n)
+  inner, sync = measure(cfg, step=0), measure(cfg, step=1)
+  groups, params = n // GROUP_SIZE, inner['params']
+  analytic = dense_bytes(params, GROUP_SIZE)
+  return [dict(
+      model=model, N=n, method='diloco', groups=groups, params=params,
+      measured_bytes=inner['measured_bytes'], analytic=analytic,
+      sync_bytes=sync['measured_bytes'],
+      analytic_sync=analytic + dense_bytes(params, groups),
+      dense_over_n=dense_bytes(params, n),
+      complete=inner['complete'] and sync['complete'],
+      compile_s=inner['compile_s'] + sync['compile_s'],
+      program='inner and sync compiled',
+      collectives={'inner': inner['collectives'],
+                   'sync': sync['collectives']})]
+
+
+def radius_rows(model: str, n: int, density: float) -> list:
+  """One row per Radius step kind (one program each), then the period."""
+  cfg = make_config(model, n, 'radius', density)
+  rows = []
+  for kind in RADIUS_KINDS:
+    m = measure(cfg, RADIUS_STEP[kind])
+    shapes = [tuple(s) for s in m['shapes']]
+    an = radius_bytes(shapes, n, density)
+    rows.append(dict(m, model=model, N=n, method='radius', density=density,
+                     encoding=None, variant=kind, resolved=kind,
+                     program='compiled', analytic=an[kind]))
+  t = RADIUS_INTERVAL
+  by = {r['variant']: r for r in rows}
+
+  def period(value):
+    return ((t - 1) * value(by['sparse']) + value(by['resample'])) / t
+
+  kinds = set(by['sparse']['by_kind']) | set(by['resample']['by_kind'])
+  rows.append(dict(
+      by['sparse'], variant=f'period T={t}', program=(
+          f'({t - 1} sparse + 1 resample) / {t} of the rows above'),
+      measured_bytes=period(lambda r: r['measured_bytes']),
+      analytic=an['period'], compile_s=0.0,
+      by_kind={k: period(lambda r, k=k: r['by_kind'].get(k, 0.0))
+               for k in kinds}))
+  return rows
 
 
 def _init_worker(xla_flags):
@@ -231,6 +295,12 @@ def _log(rows):
 
 
 def label(r) -> str:
+  if r['method'] == 'diloco':
+    return f'diloco {r["groups"]}x{GROUP_SIZE} inner'
+  if r['method'] == 'radius':
+    return f'radius d={r["density"]:g} {r["variant"]}'
+  if r['method'] == 'demo':
+    return f'demo {r["variant"]}'
   if r['method'] != 'scape':
     return r['method']
   return f'scape d={r["density"]:g} {r["encoding"]}'
@@ -267,11 +337,16 @@ def markdown(rows) -> str:
   return '\n'.join(lines)
 
 
+def _ratio(x) -> str:
+  return '' if x is None else f'{x:.3f}'
+
+
 def csv_row(r) -> dict:
   return {
       'model': r['model'], 'params': r['params'], 'N': r['N'],
       'method': r['method'], 'density': r['density'] or '',
-      'encoding': r['encoding'] or '', 'resolved': r['resolved'],
+      'encoding': r['encoding'] or '', 'variant': r.get('variant', ''),
+      'resolved': r['resolved'],
       'measured_bytes': f'{r["measured_bytes"]:.1f}',
       'analytic_bytes': f'{r["analytic"]:.1f}',
       'diff_bytes': f'{r["diff_bytes"]:.1f}',
@@ -279,14 +354,48 @@ def csv_row(r) -> dict:
       'measured_allgather_bytes': f'{r["by_kind"].get("all-gather", 0):.1f}',
       'analytic_payload_bytes': f'{r.get("analytic_payload", r["analytic"]):.1f}',
       'analytic_mask_bytes': f'{r.get("analytic_mask", 0.0):.1f}',
-      'reduction_measured': f'{r["reduction_measured"]:.3f}',
-      'reduction_analytic': f'{r["reduction_analytic"]:.3f}',
+      'reduction_measured': _ratio(r['reduction_measured']),
+      'reduction_analytic': _ratio(r['reduction_analytic']),
       'program': r['program'], 'compile_s': f'{r["compile_s"]:.1f}',
   }
 
 
+def outer_markdown(rows) -> str:
+  """DiLoCo/Pier: inner and sync steps, and per step amortised over r."""
+  across = ' | '.join(f'across groups r={r}' for r in SYNC_EVERY)
+  total = ' | '.join(f'total r={r}' for r in SYNC_EVERY)
+  lines = [f'| model | params | N | groups x G | inner step | (analytic) | '
+           f'sync step | (analytic) | {across} | {total} | dense AdamW '
+           'over N (analytic) |',
+           '|' + '---|' * (9 + 2 * len(SYNC_EVERY))]
+  for r in rows:
+    extra = r['sync_bytes'] - r['measured_bytes']  # the mean over groups
+    cells = [r['measured_bytes'], r['analytic'], r['sync_bytes'],
+             r['analytic_sync']] + [extra / k for k in SYNC_EVERY] + [
+                 r['measured_bytes'] + extra / k for k in SYNC_EVERY] + [
+                     r['dense_over_n']]
+    lines.append(f'| {r["model"]} | {r["params"] / 1e6:.1f}M | {r["N"]} | '
+                 f'{r["groups"]} x {GROUP_SIZE} | '
+                 + ' | '.join(f'{b / 1e6:.3f}' for b in cells) + ' |')
+  return '\n'.join(lines)
+
+
+def write_outer(rows, out: str, command: str) -> None:
+  rows = sorted(rows, key=lambda r: (r['params'], r['N']))
+  table = outer_markdown(rows)
+  with open(os.path.join(out, 'comm_volume_outer.md'), 'w') as f:
+    f.write(f'<!-- {command} -->\n{table}\n')
+  with open(os.path.join(out, 'comm_volume_outer.json'), 'w') as f:
+    json.dump({'command': command, 'group_size': GROUP_SIZE,
+               'sync_every': SYNC_EVERY, 'rows': rows}, f, indent=1)
+  print()
+  print(table)
+
+
 def plot(rows, path: str) -> None:
-  """Bytes per step vs density on PLOT_MODEL at PLOT_N, each encoding."""
+  """Bytes per step vs density on PLOT_MODEL at PLOT_N: SCAPE's encodings,
+  Radius (sparse step and period average) and DeMo (density = coefficients
+  sent per worker / parameters); analytic lines, measured markers."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
@@ -302,21 +411,109 @@ def plot(rows, path: str) -> None:
   for enc, (color, marker) in styles.items():
     ax.plot(grid, [scape_bytes(shapes, PLOT_N, float(d), enc)['bytes'] / 1e6
                    for d in grid], color=color, lw=1, alpha=0.7,
-            ls='--' if enc == 'auto' else '-', label=f'{enc} (analytic)')
+            ls='--' if enc == 'auto' else '-', label=f'SCAPE {enc} (analytic)')
     got = sorted((r['density'], r['measured_bytes']) for r in pts
                  if r['method'] == 'scape' and r['encoding'] == enc)
     ax.plot([d for d, _ in got], [b / 1e6 for _, b in got], ls='none',
             marker=marker, color=color, ms=8 if marker == 'x' else 6,
             mfc='none' if marker != 'x' else None,
-            label=f'{enc} (measured, compiled HLO)')
+            label=f'SCAPE {enc} (measured, compiled HLO)')
+  _plot_radius(ax, pts, shapes, grid)
+  _plot_demo(ax, pts, shapes)
   ax.set(xscale='log', yscale='log', xlabel='density d',
          ylabel='MB sent per device per step (1 MB = 1e6 B)',
-         title=f'SCAPE bytes per step: {PLOT_MODEL}, N={PLOT_N}')
+         title=f'Bytes per step: {PLOT_MODEL}, N={PLOT_N}')
   ax.grid(True, which='both', alpha=0.3)
-  ax.legend(fontsize=8)
+  ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+def _plot_radius(ax, pts, shapes, grid) -> None:
+  for key, ls, color in (('sparse', '-', 'C3'), ('period', ':', 'C3')):
+    ax.plot(grid, [radius_bytes(shapes, PLOT_N, float(d))[key] / 1e6
+                   for d in grid], color=color, ls=ls, lw=1,
+            label=f'Radius {key} (analytic, T={RADIUS_INTERVAL})')
+    got = sorted((r['density'], r['measured_bytes']) for r in pts
+                 if r['method'] == 'radius' and
+                 r['variant'].split()[0] == key)
+    ax.plot([d for d, _ in got], [b / 1e6 for _, b in got], ls='none',
+            marker='^' if key == 'sparse' else 'v', color=color, mfc='none',
+            label=f'Radius {key} (measured)')
+
+
+def _plot_demo(ax, pts, shapes) -> None:
+  """DeMo at density = coefficients sent per worker / parameters."""
+  params = sum(math.prod(s) for s in shapes)
+  full = DEMO_CHUNK * DEMO_CHUNK
+  curve = [demo_bytes(shapes, PLOT_N, 2**i) for i in
+           range(int(math.log2(full)) + 1)]
+  ax.plot([c['entries'] / params for c in curve],
+          [c['bytes'] / 1e6 for c in curve], color='C4', lw=1,
+          label=f'DeMo s={DEMO_CHUNK}, k = 1..{full} (analytic)')
+  got = [(demo_bytes(shapes, PLOT_N, r['setting'])['entries'] / params,
+          r['measured_bytes']) for r in pts if r['method'] == 'demo']
+  ax.plot([d for d, _ in got], [b / 1e6 for _, b in got], ls='none',
+          marker='D', color='C4', mfc='none', label='DeMo (measured)')
+
+
+def _variant_order(variant) -> tuple:
+  """Radius rows in step-kind order, the period last; others by name."""
+  kind = (variant or '').split(' ')[0]
+  return (RADIUS_KINDS + ('period',)).index(kind) if kind in RADIUS_KINDS + (
+      'period',) else 0, variant or ''
+
+
+def _tasks(args) -> tuple:
+  """(tasks, the main table's keys, whether to plot) from the arguments."""
+  dedupe, tasks = not args.no_dedupe, []
+  for model in [] if args.outer_only else args.models:
+    for n in args.workers:
+      tasks += [(model, n, m, None, None, dedupe) for m in ('adamw', 'adams')
+                if m in args.methods]
+      settings = {'scape': args.densities, 'radius': args.radius_densities,
+                  'demo': args.demo_topks}
+      tasks += [(model, n, m, d, ENCODINGS if m == 'scape' else None, dedupe)
+                for m in ('scape', 'radius', 'demo') if m in args.methods
+                for d in settings[m]]
+  table_keys = {(t[0], t[1], t[2], t[3]) for t in tasks}
+  plotting = (not args.no_plot and not args.outer_only and
+              PLOT_MODEL in args.models and PLOT_N in args.workers and
+              {'adamw', 'scape'} <= set(args.methods))
+  if plotting:
+    tasks += [(PLOT_MODEL, PLOT_N, 'scape', d, ENCODINGS, dedupe)
+              for d in args.plot_densities
+              if (PLOT_MODEL, PLOT_N, 'scape', d) not in table_keys]
+  if not args.no_outer:
+    tasks += [(model, n, 'diloco', None, None, dedupe)
+              for model in args.models for n in args.workers
+              if n % GROUP_SIZE == 0 and n > GROUP_SIZE]
+  return tasks, table_keys, plotting
+
+
+def write_main(rows, table_keys, args, meta) -> None:
+  """The table, CSV and JSON of AdamW, AdamS, SCAPE, Radius and DeMo."""
+  order = {m: i for i, m in enumerate(args.models)}
+  rows.sort(key=lambda r: (order[r['model']], r['N'],
+                           METHODS.index(r['method']),
+                           -(r['density'] or 2),
+                           _variant_order(r.get('variant')),
+                           ENCODINGS.index(r['encoding'] or 'auto')))
+  table = [r for r in rows if (r['model'], r['N'], r['method'],
+                               r.get('setting', r['density'])) in table_keys]
+  with open(os.path.join(args.out, 'comm_volume.csv'), 'w', newline='') as f:
+    w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+    w.writeheader()
+    w.writerows(csv_row(r) for r in table)
+  with open(os.path.join(args.out, 'comm_volume.json'), 'w') as f:
+    json.dump({'meta': meta, 'rows': [
+        {k: (sorted(v) if isinstance(v, set) else v) for k, v in r.items()
+         if k != 'shapes'} for r in rows]}, f, indent=1)
+  with open(os.path.join(args.out, 'comm_volume.md'), 'w') as f:
+    f.write(f'<!-- {meta["command"]} -->\n{markdown(table)}\n')
+  print()
+  print(markdown(table))
 
 
 def main(argv=None):
@@ -324,10 +521,20 @@ def main(argv=None):
   p.add_argument('--models', nargs='+', default=list(MODELS))
   p.add_argument('--workers', nargs='+', type=int, default=list(WORKERS))
   p.add_argument('--densities', nargs='+', type=float, default=list(DENSITIES))
+  p.add_argument('--methods', nargs='+', choices=METHODS,
+                 default=list(METHODS))
+  p.add_argument('--radius-densities', nargs='+', type=float,
+                 default=list(RADIUS_DENSITIES))
+  p.add_argument('--demo-topks', nargs='+', type=int,
+                 default=list(DEMO_TOPKS))
   p.add_argument('--plot-densities', nargs='+', type=float,
                  default=list(PLOT_DENSITIES))
   p.add_argument('--no-plot', action='store_true')
   p.add_argument('--no-dedupe', action='store_true')
+  p.add_argument('--no-outer', action='store_true',
+                 help='skip the DiLoCo/Pier table')
+  p.add_argument('--outer-only', action='store_true',
+                 help='only the DiLoCo/Pier table')
   p.add_argument('--jobs', type=int, default=2)
   p.add_argument('--full-backend-opt', action='store_true',
                  help=f'do not add {FAST_BACKEND_FLAG} (compiles slower)')
@@ -337,60 +544,34 @@ def main(argv=None):
       os.environ['XLA_FLAGS']):  # Read when the backend starts, not at import.
     os.environ['XLA_FLAGS'] += ' ' + FAST_BACKEND_FLAG
   t0 = time.perf_counter()
-  dedupe = not args.no_dedupe
-  tasks = []
-  for model in args.models:
-    for n in args.workers:
-      tasks += [(model, n, m, None, None, dedupe) for m in ('adamw', 'adams')]
-      tasks += [(model, n, 'scape', d, ENCODINGS, dedupe)
-                for d in args.densities]
-  table_keys = {(t[0], t[1], t[2], t[3]) for t in tasks}
-  plotting = (not args.no_plot and PLOT_MODEL in args.models and
-              PLOT_N in args.workers)
-  if plotting:
-    tasks += [(PLOT_MODEL, PLOT_N, 'scape', d, ENCODINGS, dedupe)
-              for d in args.plot_densities
-              if (PLOT_MODEL, PLOT_N, 'scape', d) not in table_keys]
+  tasks, table_keys, plotting = _tasks(args)
   n_groups = len(tasks)
   print(f'{n_groups} groups of programs to compile, {args.jobs} at a time; '
         f'XLA_FLAGS={os.environ["XLA_FLAGS"]!r}', flush=True)
-  rows = finish(run_all(tasks, args.jobs))
-  order = {m: i for i, m in enumerate(args.models)}
-  rows.sort(key=lambda r: (order[r['model']], r['N'],
-                           ['adamw', 'adams', 'scape'].index(r['method']),
-                           -(r['density'] or 2),
-                           ENCODINGS.index(r['encoding'] or 'auto')))
-  table = [r for r in rows if (r['model'], r['N'], r['method'],
-                               r['density']) in table_keys]
+  measured = run_all(tasks, args.jobs)
+  rows = finish([r for r in measured if r['method'] != 'diloco'])
+  outer_rows = [r for r in measured if r['method'] == 'diloco']
   os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, 'comm_volume.csv'), 'w', newline='') as f:
-    w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-    w.writeheader()
-    w.writerows(csv_row(r) for r in table)
-  elapsed = time.perf_counter() - t0
-  meta = {'command': ' '.join(['python', 'bench/comm_volume.py'] +
-                              (sys.argv[1:] if argv is None else argv)),
-          'jax': jax.__version__, 'xla_flags': os.environ['XLA_FLAGS'],
-          'seq_len': 128, 'batch_size': 'N (one sequence per worker)',
-          'mb': 1e6, 'wall_s': elapsed}
-  with open(os.path.join(args.out, 'comm_volume.json'), 'w') as f:
-    json.dump({'meta': meta, 'rows': [
-        {k: (sorted(v) if isinstance(v, set) else v) for k, v in r.items()
-         if k != 'shapes'} for r in rows]}, f, indent=1)
-  with open(os.path.join(args.out, 'comm_volume.md'), 'w') as f:
-    f.write(f'<!-- {meta["command"]} -->\n{markdown(table)}\n')
-  print()
-  print(markdown(table))
+  command = ' '.join(['python', 'bench/comm_volume.py'] +
+                     (sys.argv[1:] if argv is None else argv))
+  meta = {'command': command, 'jax': jax.__version__,
+          'xla_flags': os.environ['XLA_FLAGS'], 'seq_len': 128,
+          'batch_size': 'N (one sequence per worker)', 'mb': 1e6,
+          'wall_s': time.perf_counter() - t0}
+  if rows:
+    write_main(rows, table_keys, args, meta)
+  if outer_rows:
+    write_outer(outer_rows, args.out, command)
   if plotting:
     png = os.path.join(args.out, 'comm_vs_density.png')
     plot(rows, png)
     print(f'\nplot: {png}')
-  incomplete = [label(r) for r in rows if not r['complete']]
+  incomplete = [label(r) for r in measured if not r['complete']]
   if incomplete:
     print(f'WARNING: collectives with unknown count in {incomplete}')
-  print(f'\n{len(rows)} rows from {n_groups} groups in {elapsed:.0f} s; '
-        f'wrote {args.out}/comm_volume.csv, .json and .md')
-  return rows
+  print(f'\n{len(measured)} rows from {n_groups} groups in '
+        f'{meta["wall_s"]:.0f} s; wrote {args.out}/comm_volume*.{{csv,json,md}}')
+  return rows + outer_rows
 
 
 if __name__ == '__main__':

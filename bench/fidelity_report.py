@@ -15,7 +15,7 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
 
 import fidelity  # noqa: E402
-from doc_sections import replace_section  # noqa: E402
+import results_md  # noqa: E402
 
 DOC = 'docs/results.md'
 PLOTS = 'docs/bench'
@@ -350,5 +350,5 @@ def write(out: str) -> None:
   lines += ['', '### Diagnosis (probe, seed 0, steps after the density '
             'warmup)', '']
   lines += diagnosis_table(out)
-  replace_section(DOC, 'fidelity', '\n'.join(lines))
+  results_md.replace_section(DOC, 'fidelity', lines)
   print('\n'.join(lines))

@@ -12,11 +12,12 @@ from flax import nnx
 from models.gpt import GPT, GPTConfig
 from models.layers import LOGICAL_AXES, SHARDING_KEY, count_params, logical_axes
 from models.llama import Llama, LlamaConfig
+from models.lora import LoraSpec, rngs
 
 __all__ = [
-    'GPT', 'GPTConfig', 'Llama', 'LlamaConfig', 'LOGICAL_AXES', 'PRESETS',
-    'SHARDING_KEY', 'build', 'get_config', 'logical_axes', 'pad_vocab',
-    'param_count',
+    'GPT', 'GPTConfig', 'Llama', 'LlamaConfig', 'LOGICAL_AXES', 'LoraSpec',
+    'PRESETS', 'SHARDING_KEY', 'build', 'get_config', 'logical_axes',
+    'pad_vocab', 'param_count', 'rngs',
 ]
 
 Config = GPTConfig | LlamaConfig
@@ -45,6 +46,11 @@ PRESETS: dict[str, Config] = {
     'llama-10m': LlamaConfig(
         vocab_size=256, max_seq_len=256, d_model=320, n_layers=8, n_heads=8,
         n_kv_heads=4, d_ff=960),
+    # 19.1M parameters, byte vocabulary: bench/network.py's model, sized so
+    # that its dense gradient exchange outlasts a CPU worker's step at 1 Gb/s.
+    'llama20m': LlamaConfig(
+        vocab_size=256, max_seq_len=128, d_model=512, n_layers=6, n_heads=8,
+        n_kv_heads=4, d_ff=1536),
     # H2O-Danube3-500M shape.
     'llama500m': LlamaConfig(
         vocab_size=32000, max_seq_len=8192, d_model=1536, n_layers=16,

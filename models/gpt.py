@@ -7,6 +7,7 @@ qkv projection, biases everywhere, input/output embeddings tied.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -15,6 +16,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import layers
+from models import lora as lora_lib
+
+# The linear layers of a block: the LoRA targets (or their suffixes).
+LINEARS = ('attn.c_attn', 'attn.c_proj', 'mlp.c_fc', 'mlp.c_proj')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +37,7 @@ class GPTConfig:
   init_std: float = 0.02
   remat: bool = False
   attn_impl: str = 'xla'  # one of layers.ATTN_IMPLS.
+  lora: lora_lib.LoraSpec | None = None  # adapters on these layers
   family: str = 'gpt'
 
   def __post_init__(self):
@@ -49,6 +55,7 @@ class GPTConfig:
     if self.attn_impl not in layers.ATTN_IMPLS:
       raise ValueError(
           f'attn_impl={self.attn_impl!r} not in {layers.ATTN_IMPLS}')
+    lora_lib.check_targets(self.lora, LINEARS, 'gpt')
 
   @property
   def head_dim(self) -> int:
@@ -61,13 +68,14 @@ class CausalSelfAttention(nnx.Module):
   def __init__(self, cfg: GPTConfig, *, dtype: Any, param_dtype: Any,
                rngs: nnx.Rngs):
     d = cfg.d_model
-    kw = dict(use_bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    kw = dict(use_bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+              spec=cfg.lora)
     self.n_heads = cfg.n_heads
     self.attn_impl = cfg.attn_impl
-    self.c_attn = layers.linear(
-        d, 3 * d, ('embed', 'heads'), std=cfg.init_std, **kw)
-    self.c_proj = layers.linear(
-        d, d, ('heads', 'embed'), std=_resid_std(cfg), **kw)
+    self.c_attn = lora_lib.linear(
+        'attn.c_attn', d, 3 * d, ('embed', 'heads'), std=cfg.init_std, **kw)
+    self.c_proj = lora_lib.linear(
+        'attn.c_proj', d, d, ('heads', 'embed'), std=_resid_std(cfg), **kw)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     b, t, d = x.shape
@@ -84,11 +92,12 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: GPTConfig, *, dtype: Any, param_dtype: Any,
                rngs: nnx.Rngs):
-    kw = dict(use_bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.c_fc = layers.linear(
-        cfg.d_model, cfg.d_ff, ('embed', 'mlp'), std=cfg.init_std, **kw)
-    self.c_proj = layers.linear(
-        cfg.d_ff, cfg.d_model, ('mlp', 'embed'), std=_resid_std(cfg), **kw)
+    kw = dict(use_bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+              spec=cfg.lora)
+    self.c_fc = lora_lib.linear('mlp.c_fc', cfg.d_model, cfg.d_ff,
+                                ('embed', 'mlp'), std=cfg.init_std, **kw)
+    self.c_proj = lora_lib.linear('mlp.c_proj', cfg.d_ff, cfg.d_model,
+                                  ('mlp', 'embed'), std=_resid_std(cfg), **kw)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.c_proj(jax.nn.gelu(self.c_fc(x), approximate=True))
@@ -127,18 +136,30 @@ class GPT(nnx.Module):
     self.h = nnx.List([Block(cfg, **kw) for _ in range(cfg.n_layers)])
     self.ln_f = _layer_norm(cfg, **kw)
 
-  def __call__(self, tokens: jax.Array) -> jax.Array:
+  def __call__(self, tokens: jax.Array, *,
+               param_hook: layers.ParamHook | None = None) -> jax.Array:
+    """Logits; `param_hook` supplies each unit's parameters (`run_unit`)."""
     layers.check_seq_len(tokens, self.cfg.max_seq_len)
-    t = tokens.shape[1]
-    x = self.wte(tokens) + self.wpe(jnp.arange(t, dtype=jnp.int32))[None]
+    x = layers.run_unit(_embed, (self.wte, self.wpe), tokens, hook=param_hook)
     for block in self.h:
-      x = layers.run_block(block, x, self.cfg.remat)
-    x = self.ln_f(x)
-    # Tied output layer: logits = h @ wte.T, bf16 inputs, fp32 accumulation.
-    wte = self.wte.embedding.get_value().astype(self.dtype)
-    return jnp.einsum(
-        'btd,vd->btv', x.astype(self.dtype), wte,
-        preferred_element_type=jnp.float32)
+      x = layers.run_block(block, x, self.cfg.remat, param_hook)
+    return layers.run_unit(functools.partial(_head, dtype=self.dtype),
+                           (self.ln_f, self.wte), x, hook=param_hook)
+
+
+def _embed(wte: nnx.Embed, wpe: nnx.Embed, tokens: jax.Array) -> jax.Array:
+  t = tokens.shape[1]
+  return wte(tokens) + wpe(jnp.arange(t, dtype=jnp.int32))[None]
+
+
+def _head(ln_f: nnx.LayerNorm, wte: nnx.Embed, x: jax.Array, *,
+          dtype: Any) -> jax.Array:
+  """Tied output layer: logits = h @ wte.T, bf16 inputs, fp32 accumulation."""
+  x = ln_f(x)
+  kernel = wte.embedding.get_value().astype(dtype)
+  return jnp.einsum(
+      'btd,vd->btv', x.astype(dtype), kernel,
+      preferred_element_type=jnp.float32)
 
 
 def _resid_std(cfg: GPTConfig) -> float:

@@ -10,7 +10,7 @@ names to mesh axes itself (see `logical_axes`).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -158,11 +158,35 @@ def check_seq_len(tokens: jax.Array, max_seq_len: int) -> None:
         f'sequence length {tokens.shape[1]} > max_seq_len {max_seq_len}')
 
 
-def run_block(block: nnx.Module, x: jax.Array, remat: bool) -> jax.Array:
-  """Applies `block` to `x`, under `nnx.remat` when `remat` is True."""
+# A parameter hook, `hook(fn, modules, args, remat)`, runs `fn(*modules,
+# *args)` with the modules' parameters in the form `fn` needs. The models run
+# every group of modules that uses parameters (embedding, each block, output
+# head) through `run_unit`, so that a layout can supply full parameters from
+# shards one unit at a time: the fsdp layout all-gathers a unit's shards right
+# before it runs (ZeRO-3, FCDP; `scape_jax.sharding.fcdp`). `remat` says
+# whether the unit's activations are rematerialised in the backward pass.
+ParamHook = Callable[[Callable[..., Any], tuple, tuple, bool], Any]
+
+
+def run_unit(fn: Callable[..., Any], modules: Sequence[nnx.Module], *args,
+             remat: bool = False, hook: ParamHook | None = None) -> Any:
+  """`fn(*modules, *args)`, through `hook` if given, else under `nnx.remat`
+  when `remat` is True."""
+  if hook is not None:
+    return hook(fn, tuple(modules), args, remat)
   if remat:
-    return nnx.remat(lambda blk, y: blk(y))(block, x)
+    return nnx.remat(fn)(*modules, *args)
+  return fn(*modules, *args)
+
+
+def _call(block: nnx.Module, x: jax.Array) -> jax.Array:
   return block(x)
+
+
+def run_block(block: nnx.Module, x: jax.Array, remat: bool,
+              hook: ParamHook | None = None) -> jax.Array:
+  """Applies `block` to `x` as one unit (see `run_unit`)."""
+  return run_unit(_call, (block,), x, remat=remat, hook=hook)
 
 
 def _names_of(var: nnx.Variable) -> Names:

@@ -7,6 +7,7 @@ untied input/output embeddings.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -14,6 +15,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import layers
+from models import lora as lora_lib
+
+# The linear layers of a decoder layer: the LoRA targets (or their suffixes).
+LINEARS = ('self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj',
+           'self_attn.o_proj', 'mlp.gate_proj', 'mlp.up_proj', 'mlp.down_proj')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +38,7 @@ class LlamaConfig:
   init_std: float = 0.02
   remat: bool = False
   attn_impl: str = 'xla'  # one of layers.ATTN_IMPLS.
+  lora: lora_lib.LoraSpec | None = None  # adapters on these layers
   family: str = 'llama'
 
   def __post_init__(self):
@@ -50,6 +57,7 @@ class LlamaConfig:
     if self.attn_impl not in layers.ATTN_IMPLS:
       raise ValueError(
           f'attn_impl={self.attn_impl!r} not in {layers.ATTN_IMPLS}')
+    lora_lib.check_targets(self.lora, LINEARS, 'llama')
 
   @property
   def head_dim(self) -> int:
@@ -63,16 +71,21 @@ class Attention(nnx.Module):
                rngs: nnx.Rngs):
     d, hd = cfg.d_model, cfg.head_dim
     kw = dict(std=cfg.init_std, use_bias=False, dtype=dtype,
-              param_dtype=param_dtype, rngs=rngs)
+              param_dtype=param_dtype, rngs=rngs, spec=cfg.lora)
+    linear = lora_lib.linear
     self.n_heads = cfg.n_heads
     self.n_kv_heads = cfg.n_kv_heads
     self.head_dim = hd
     self.rope_theta = cfg.rope_theta
     self.attn_impl = cfg.attn_impl
-    self.q_proj = layers.linear(d, cfg.n_heads * hd, ('embed', 'heads'), **kw)
-    self.k_proj = layers.linear(d, cfg.n_kv_heads * hd, ('embed', 'kv'), **kw)
-    self.v_proj = layers.linear(d, cfg.n_kv_heads * hd, ('embed', 'kv'), **kw)
-    self.o_proj = layers.linear(cfg.n_heads * hd, d, ('heads', 'embed'), **kw)
+    self.q_proj = linear('self_attn.q_proj', d, cfg.n_heads * hd,
+                         ('embed', 'heads'), **kw)
+    self.k_proj = linear('self_attn.k_proj', d, cfg.n_kv_heads * hd,
+                         ('embed', 'kv'), **kw)
+    self.v_proj = linear('self_attn.v_proj', d, cfg.n_kv_heads * hd,
+                         ('embed', 'kv'), **kw)
+    self.o_proj = linear('self_attn.o_proj', cfg.n_heads * hd, d,
+                         ('heads', 'embed'), **kw)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     b, t, _ = x.shape
@@ -94,10 +107,11 @@ class MLP(nnx.Module):
                rngs: nnx.Rngs):
     d, f = cfg.d_model, cfg.d_ff
     kw = dict(std=cfg.init_std, use_bias=False, dtype=dtype,
-              param_dtype=param_dtype, rngs=rngs)
-    self.gate_proj = layers.linear(d, f, ('embed', 'mlp'), **kw)
-    self.up_proj = layers.linear(d, f, ('embed', 'mlp'), **kw)
-    self.down_proj = layers.linear(f, d, ('mlp', 'embed'), **kw)
+              param_dtype=param_dtype, rngs=rngs, spec=cfg.lora)
+    linear = lora_lib.linear
+    self.gate_proj = linear('mlp.gate_proj', d, f, ('embed', 'mlp'), **kw)
+    self.up_proj = linear('mlp.up_proj', d, f, ('embed', 'mlp'), **kw)
+    self.down_proj = linear('mlp.down_proj', f, d, ('mlp', 'embed'), **kw)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -137,16 +151,29 @@ class Llama(nnx.Module):
         cfg.d_model, cfg.vocab_size, ('embed', 'vocab'), std=cfg.init_std,
         use_bias=False, **kw)
 
-  def __call__(self, tokens: jax.Array) -> jax.Array:
+  def __call__(self, tokens: jax.Array, *,
+               param_hook: layers.ParamHook | None = None) -> jax.Array:
+    """Logits; `param_hook` supplies each unit's parameters (`run_unit`)."""
     layers.check_seq_len(tokens, self.cfg.max_seq_len)
-    x = self.embed_tokens(tokens)
+    x = layers.run_unit(_embed, (self.embed_tokens,), tokens,
+                        hook=param_hook)
     for layer in self.layers:
-      x = layers.run_block(layer, x, self.cfg.remat)
-    x = self.norm(x).astype(self.dtype)
-    # Output layer: bf16 inputs, fp32 accumulation and result.
-    kernel = self.lm_head.kernel.get_value().astype(self.dtype)
-    return jnp.einsum(
-        'btd,dv->btv', x, kernel, preferred_element_type=jnp.float32)
+      x = layers.run_block(layer, x, self.cfg.remat, param_hook)
+    return layers.run_unit(functools.partial(_head, dtype=self.dtype),
+                           (self.norm, self.lm_head), x, hook=param_hook)
+
+
+def _embed(embed_tokens: nnx.Embed, tokens: jax.Array) -> jax.Array:
+  return embed_tokens(tokens)
+
+
+def _head(norm: nnx.RMSNorm, lm_head: nnx.Linear, x: jax.Array, *,
+          dtype: Any) -> jax.Array:
+  """Output layer: bf16 inputs, fp32 accumulation and result."""
+  x = norm(x).astype(dtype)
+  kernel = lm_head.kernel.get_value().astype(dtype)
+  return jnp.einsum(
+      'btd,dv->btv', x, kernel, preferred_element_type=jnp.float32)
 
 
 def _rms_norm(cfg: LlamaConfig, *, dtype: Any, param_dtype: Any,

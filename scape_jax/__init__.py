@@ -13,22 +13,44 @@ compiled programs).
 
 from scape_jax.comm.collectives import pmean_gradients
 from scape_jax.optim import DensitySchedule
+from scape_jax.optim import RadiusSchedule
 from scape_jax.optim import ScaleByAdamSState
+from scape_jax.optim import ScaleByDemoState
+from scape_jax.optim import ScaleByRadiusState
 from scape_jax.optim import ScaleByScapeState
 from scape_jax.optim import adams
+from scape_jax.optim import demo
+from scape_jax.optim import demo_stats
+from scape_jax.optim import radius
+from scape_jax.optim import radius_stats
 from scape_jax.optim import scale_by_adams
+from scape_jax.optim import scale_by_demo
+from scape_jax.optim import scale_by_radius
 from scape_jax.optim import scale_by_scape
 from scape_jax.optim import scape
 from scape_jax.optim import scape_stats
+from scape_jax.sharding.placement import init_sharded
+from scape_jax.sharding.placement import place
 from scape_jax.sharding.specs import state_partition_specs
 
 __all__ = [
     'DensitySchedule',
+    'RadiusSchedule',
     'ScaleByAdamSState',
+    'ScaleByDemoState',
+    'ScaleByRadiusState',
     'ScaleByScapeState',
     'adams',
+    'demo',
+    'demo_stats',
+    'init_sharded',
+    'place',
     'pmean_gradients',
+    'radius',
+    'radius_stats',
     'scale_by_adams',
+    'scale_by_demo',
+    'scale_by_radius',
     'scale_by_scape',
     'scape',
     'scape_stats',

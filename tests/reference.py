@@ -114,3 +114,16 @@ class ScapeReference:
     """Worker n's own chunk mask of leaf j (bool[c]), as used next step."""
     c = self.chunk[j]
     return self.mask[j][n * c:(n + 1) * c]
+
+
+def lora_reference(x, kernel, bias, lora_a, lora_b, scale, cotangent):
+  """A LoRA layer y = x W + b + scale (x A) B and, for the loss sum(y * g),
+  the gradients of A and B (written out by the chain rule):
+
+    dA = scale * x^T (g B^T),   dB = scale * (x A)^T g.
+  """
+  x, g = np.asarray(x, np.float64), np.asarray(cotangent, np.float64)
+  a, b = np.asarray(lora_a, np.float64), np.asarray(lora_b, np.float64)
+  y = x @ np.asarray(kernel, np.float64) + np.asarray(bias, np.float64)
+  y = y + scale * (x @ a) @ b
+  return y, scale * x.T @ (g @ b.T), scale * (x @ a).T @ g

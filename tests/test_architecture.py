@@ -3,7 +3,8 @@
     train.py -> scape_jax/train/ -> optim/, outer/, sharding/ -> comm/,
     kernels/ -> models/
 
-`analysis/` (the HLO parser) and `data/` are used by the trainer only.
+`analysis/` (the HLO parser), `data/` and `hf/` (Hugging Face checkpoints)
+are used by the trainer only.
 """
 
 import ast
@@ -24,8 +25,9 @@ ALLOWED = {
     'outer': {'optim', 'comm', 'kernels', 'sharding'},
     'analysis': set(),
     'data': set(),
+    'hf': set(),
     'train': {'optim', 'outer', 'sharding', 'comm', 'kernels', 'analysis',
-              'data'},
+              'data', 'hf'},
 }
 
 

@@ -61,6 +61,21 @@ def test_measured_llama_tiny_matches_analytic():
   assert m['complete']
   assert m['measured_bytes'] == pytest.approx(an['bytes'], rel=0.05)
   assert m['by_kind']['all-gather'] == pytest.approx(an['mask_bytes'])
-  # The all-reduce also carries the train step's 2-float metrics pmean.
+  # The all-reduce also carries the train step's 3-float metrics pmean
+  # (loss, squared gradient norm, non-finite count).
   assert m['by_kind']['all-reduce'] == pytest.approx(
-      an['payload_bytes'] + analysis.ring_all_reduce_bytes(2 * 4, 8))
+      an['payload_bytes'] + analysis.ring_all_reduce_bytes(3 * 4, 8))
+
+
+def test_outer_table_amortises_the_sync_over_r():
+  """DiLoCo rows: across groups (sync - inner) / r, total inner + that."""
+  row = {'model': 'm', 'params': 1e6, 'N': 8, 'groups': 2,
+         'measured_bytes': 6e6, 'analytic': 6e6, 'sync_bytes': 10e6,
+         'analytic_sync': 10e6, 'dense_over_n': 7e6}
+  cells = cv.outer_markdown([row]).splitlines()[2].split(' | ')
+  assert cv.SYNC_EVERY == (50, 500)
+  # inner, (analytic), sync, (analytic), across r=50, r=500, total r=50, r=500
+  assert cells[4:12] == ['6.000', '6.000', '10.000', '10.000', '0.080',
+                         '0.008', '6.080', '6.008']
+  cfg = cv.outer_config('llama-tiny', 32)
+  assert (cfg.mesh.replica, cfg.mesh.data) == (8, cv.GROUP_SIZE)

@@ -154,12 +154,15 @@ def test_restore_does_not_modify_directory(tmp_path, mesh):
   assert _listing(tmp_path / 'ckpt') == before
 
 
+def _data_files(step_dir):
+  """The OCDBT data files of a step's state: <step>/state/**/d/<hash>."""
+  return [os.path.join(root, f) for root, _, names in os.walk(step_dir)
+          for f in names if os.path.basename(root) == 'd']
+
+
 def _damage_biggest_data_file(step_dir, damage: str) -> None:
   """Garbles one byte of, or truncates, the largest array data file."""
-  # Array bytes live in OCDBT data files: <step>/state/**/d/<hash>.
-  files = [os.path.join(root, f) for root, _, names in os.walk(step_dir)
-           for f in names if os.path.basename(root) == 'd']
-  path = max(files, key=os.path.getsize)
+  path = max(_data_files(step_dir), key=os.path.getsize)
   data = bytearray(open(path, 'rb').read())
   if damage == 'garble':
     data[len(data) // 2] ^= 0x5A
@@ -170,17 +173,90 @@ def _damage_biggest_data_file(step_dir, damage: str) -> None:
 
 
 def test_garbled_array_data(tmp_path, mesh):
-  # Orbax itself reads a garbled value back without complaint; the checksum
-  # manifest catches it.
-  ckpt = _saved(tmp_path, mesh)
-  _damage_biggest_data_file(tmp_path / 'ckpt' / '5' / 'state', 'garble')
+  """One flipped bit pattern inside an array's stored bytes.
+
+  Orbax itself reads a garbled value back without complaint; the checksum
+  manifest catches it. The array is random int32 bits: incompressible, so
+  the compressor stores it verbatim and its bytes can be found in the data
+  files (a byte picked by position alone, e.g. the middle of the biggest
+  file, may belong to no array that is read back).
+  """
+  w = np.random.default_rng(0).integers(-2**31, 2**31, size=(256, 128),
+                                        dtype=np.int64).astype(np.int32)
+  state = {'w': jax.device_put(w, NamedSharding(mesh, P('data'))),
+           'b': jax.device_put(jnp.ones(8), NamedSharding(mesh, P()))}
+  with checkpoint.Checkpointer(str(tmp_path / 'ckpt')) as ckpt:
+    ckpt.save(5, state, {})
+  needle = w[128, 60:68].tobytes()
+  hits = 0
+  for path in _data_files(tmp_path / 'ckpt' / '5' / 'state'):
+    data = bytearray(open(path, 'rb').read())
+    at = data.find(needle)
+    while at >= 0:  # every stored copy of these bytes
+      data[at + 3] ^= 0x5A
+      hits += 1
+      at = data.find(needle, at + 1)
+    with open(path, 'wb') as f:
+      f.write(bytes(data))
+  assert hits, 'the bytes of w were not found stored verbatim'
   before = _listing(tmp_path / 'ckpt')
-  with pytest.raises(checkpoint.CheckpointError,
-                     match=r"ckpt/5 is corrupt:\n.*\['params'\]\['w'\]: "
+  with pytest.raises(checkpoint.CorruptCheckpointError,
+                     match=r"ckpt/5 is corrupt:\n.*\['w'\]: "
                      'checksum mismatch') as e:
-    ckpt.restore(5, _abstract(_state(mesh)))
+    checkpoint.Checkpointer(str(tmp_path / 'ckpt')).restore(5,
+                                                           _abstract(state))
   assert str(tmp_path) in str(e.value)
   assert _listing(tmp_path / 'ckpt') == before
+
+
+def test_changed_extras_are_corruption(tmp_path, mesh):
+  """A data position edited by hand is caught by the extras' checksum."""
+  ckpt = _saved(tmp_path, mesh)
+  path = tmp_path / 'ckpt' / '5' / 'extras' / 'metadata'
+  text = path.read_text()
+  assert '1234' in text
+  path.write_text(text.replace('1234', '1235'))
+  with pytest.raises(checkpoint.CorruptCheckpointError,
+                     match='extras .* differ from what was saved'):
+    ckpt.read_extras(5)
+  with pytest.raises(checkpoint.CorruptCheckpointError, match='extras'):
+    ckpt.restore(5, _abstract(_state(mesh)))
+
+
+def test_read_extras_and_set_aside(tmp_path, mesh):
+  ckpt = _saved(tmp_path, mesh, steps=(5, 6))
+  assert ckpt.read_extras(None) == (6, EXTRAS)
+  moved = ckpt.set_aside(6)
+  assert moved == str(tmp_path / 'ckpt.corrupt' / '6')
+  assert os.path.isdir(os.path.join(moved, 'state'))
+  assert ckpt.all_steps() == [5]
+  ckpt.save(6, _state(mesh, seed=6), EXTRAS)  # the step is free again
+  ckpt.close()
+  assert ckpt.all_steps() == [5, 6]
+
+
+def test_non_finite_state_is_not_saved(tmp_path, mesh):
+  state = _state(mesh)
+  w = np.array(state['params']['w'])
+  w[3, 4] = np.nan
+  state['params']['w'] = jax.device_put(w, state['params']['w'].sharding)
+  with checkpoint.Checkpointer(str(tmp_path / 'ckpt')) as ckpt:
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"(?s)refusing to save step 1: non-finite .*"
+                       r"\['params'\]\['w'\]"):
+      ckpt.save(1, state, {})
+    assert ckpt.all_steps() == []
+    ckpt.save(2, state, {}, allow_non_finite=True)
+    restored, _ = ckpt.restore(2, _abstract(state))
+  assert np.isnan(np.asarray(restored['params']['w'])[3, 4])
+
+
+def test_restore_does_not_warn_read_only(tmp_path, mesh, caplog):
+  ckpt = _saved(tmp_path, mesh)
+  with caplog.at_level('WARNING'):
+    ckpt.latest_step()
+    ckpt.restore(5, _abstract(_state(mesh)))
+  assert 'read only' not in caplog.text
 
 
 def test_truncated_array_data(tmp_path, mesh):

@@ -205,6 +205,8 @@ def test_from_dict_is_strict():
 
 def test_format_is_short_and_complete():
   text = config.format(config.load(None, ['--config.optimizer.lr=0.001']))
-  assert len(text.splitlines()) == 5  # adamw has no section of its own
+  # model, model.lora, optimizer (adamw has no section of its own), data,
+  # mesh, fcdp, run
+  assert len(text.splitlines()) == 7
   assert 'lr=0.001' in text and "preset='llama-tiny'" in text
   assert 'steps=1000' in text

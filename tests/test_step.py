@@ -43,3 +43,82 @@ def test_local_gradients_are_per_worker_and_accumulate(micro_batches):
                                rtol=1e-5)
     np.testing.assert_allclose(np.asarray(grads)[i], 2 * xi.T @ r / r.size,
                                rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# The non-finite guard.
+
+_VOCAB, _DIM = 16, 8
+_POISON = _VOCAB - 1  # a token that turns its logits into NaN
+
+
+def _tiny_apply(params, tokens):
+  """Embedding -> projection; NaN logits wherever a token is `_POISON`."""
+  logits = jnp.tanh(params['emb'][tokens]) @ params['out']
+  return jnp.where((tokens == _POISON)[..., None], jnp.nan, logits)
+
+
+def _guarded_step(name):
+  from scape_jax import sharding  # pylint: disable=g-import-not-at-top
+  from scape_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  from scape_jax.train import methods  # pylint: disable=g-import-not-at-top
+  mesh = jax.make_mesh((8,), (sharding.DATA,))
+  cfg = config_lib.load(None, [
+      f'--config.optimizer.name={name}', '--config.optimizer.warmup_steps=0',
+      '--config.optimizer.lr=1e-2', '--config.optimizer.scape.density=0.25',
+      '--config.optimizer.scape.density_warmup_steps=4'])
+  method = methods.build(cfg.optimizer, 10, methods.Context(sharding.DATA))
+  rng = np.random.default_rng(0)
+  params = {'emb': rng.normal(size=(_VOCAB, _DIM)).astype(np.float32),
+            'out': rng.normal(size=(_DIM, _VOCAB)).astype(np.float32)}
+  specs = jax.tree.map(lambda _: P(), params)
+  layout = sharding.Layout(mesh, specs)
+  params = jax.device_put(params, layout.shardings(specs))
+  with jax.set_mesh(mesh):
+    opt_shapes = jax.eval_shape(method.tx.init, params)
+    opt_specs = sharding.state_partition_specs(opt_shapes, sharding.DATA)
+    opt_state = jax.jit(method.tx.init,
+                        out_shardings=layout.shardings(opt_specs))(params)
+  # Level 1 of the density warmup: the masks in the state are real top-k.
+  step = step_lib.make_train_step(_tiny_apply, method.tx, layout, opt_specs,
+                                  method.update_kwargs(1))
+  return step, params, opt_state, layout
+
+
+def _batch(layout, seed=0, poison_worker=None):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, _POISON, size=(16, 5), dtype=np.int32)
+  if poison_worker is not None:  # two rows per worker
+    tokens[2 * poison_worker, 1] = _POISON
+  return jax.device_put({'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]},
+                        NamedSharding(layout.mesh, layout.batch_spec()))
+
+
+def _host(tree):
+  """Host copies (a zero-copy view would keep the buffers from donation)."""
+  return [np.array(x, copy=True) for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize('name', ['adamw', 'adams', 'scape'])
+def test_non_finite_step_changes_nothing(name):
+  """A NaN on one worker: every worker keeps params and state, bit for bit."""
+  step, params, opt_state, layout = _guarded_step(name)
+  for seed in (0, 4):  # the second call sees the step's own output shardings
+    params, opt_state, metrics = step(params, opt_state, _batch(layout, seed))
+    assert float(metrics['skipped']) == 0.0
+  compiled = step._cache_size()  # pylint: disable=protected-access
+  before = _host((params, opt_state))
+  donated = jax.tree.leaves(params)[0]
+  params, opt_state, metrics = step(params, opt_state,
+                                    _batch(layout, poison_worker=3, seed=1))
+  assert donated.is_deleted()  # donation still works
+  assert float(metrics['skipped']) == 1.0
+  assert not np.isfinite(float(metrics['loss']))
+  after = _host((params, opt_state))
+  for a, b in zip(after, before):  # SCAPE: residuals and masks included
+    np.testing.assert_array_equal(a, b)
+  params, opt_state, metrics = step(params, opt_state, _batch(layout, seed=2))
+  assert float(metrics['skipped']) == 0.0
+  assert any(not np.array_equal(a, b)
+             for a, b in zip(_host(params), before[:2]))
+  assert step._cache_size() == compiled  # pylint: disable=protected-access

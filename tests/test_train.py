@@ -55,7 +55,7 @@ def test_resume_is_bit_exact(corpus, tmp_path):
                                 *args))
   trainer.train(_cfg(corpus, tmp_path / 'b', '--config.steps=3', *args))
   resumed = trainer.train(_cfg(corpus, tmp_path / 'b', '--config.steps=6',
-                               *args))
+                               *args), allow_config_change=True)  # steps
   assert resumed['start_step'] == 3
   assert _train_losses(tmp_path / 'b') == straight['losses']  # bit for bit
 

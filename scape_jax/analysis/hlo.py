@@ -27,6 +27,7 @@ import re
 from typing import Any, Callable
 
 import jax
+import numpy as np
 
 from scape_jax.analysis import cost
 
@@ -73,6 +74,10 @@ class Collective:
   count: int | None  # Executions per call; None = could not be determined.
   name: str  # HLO instruction name.
   note: str = ''
+  # The device ids of each replica group (ids index the program's devices,
+  # i.e. the mesh in row-major order); None when the HLO does not say.
+  groups: tuple[tuple[int, ...], ...] | None = None
+  op_name: str = ''  # JAX's metadata op_name (its transformation path).
 
   @property
   def bytes(self) -> int:
@@ -109,6 +114,7 @@ _CALL_RE = re.compile(
     r'false_computation|called_computations)=(\{[^}]*\}|%?[\w.\-]+)')
 _IOTA_RE = re.compile(r'\[([\d,\s]+)\]<=\[[\d,\s]+\](?:T\([\d,\s]+\))?')
 _PAIR_RE = re.compile(r'\{\s*(\d+)\s*,\s*(\d+)\s*\}')
+_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
 
 
 @dataclasses.dataclass
@@ -119,6 +125,7 @@ class _Instr:
   operands: list[str]  # Raw operand texts ('%x' or 'f32[8] %x').
   attrs: str  # Attribute text with quoted strings blanked out.
   trip: int | None  # known_trip_count (while only).
+  op_name: str = ''  # metadata op_name, if any.
 
 
 def _close(s: str, i: int) -> int:
@@ -173,9 +180,11 @@ def _parse_instr(line: str) -> _Instr | None:
     return None
   open_paren = op.end() - 1
   end = _close(rest, open_paren)
+  op_name = _OP_NAME_RE.search(m.group(2))
   return _Instr(m.group(1), shape, op.group(1),
                 _split_top(rest[open_paren + 1:end - 1]), rest[end:],
-                int(trip.group(1)) if trip else None)
+                int(trip.group(1)) if trip else None,
+                op_name.group(1) if op_name else '')
 
 
 def _attr_value(attrs: str, key: str) -> str | None:
@@ -230,6 +239,51 @@ def _group_size(ins: _Instr, base: str, num_devices: int) -> tuple[int, str]:
     return num_devices, ''
   note = '' if len(set(sizes)) == 1 else 'non-uniform groups, max size used'
   return max(sizes), note
+
+
+def _iota_groups(value: str) -> tuple[tuple[int, ...], ...]:
+  """`[G,N]<=[d0,d1,...]T(p0,p1,...)`: iota(d).transpose(p).reshape(G, N)."""
+  m = re.match(r'\[([\d,\s]+)\]<=\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?',
+               value)
+  out, dims = ([int(d) for d in g.split(',')] for g in m.group(1, 2))
+  perm = [int(d) for d in m.group(3).split(',')] if m.group(3) else None
+  ids = np.arange(math.prod(dims)).reshape(dims).transpose(perm)
+  return tuple(tuple(int(i) for i in g) for g in ids.reshape(-1, out[-1]))
+
+
+def _mesh_groups(value: str) -> tuple[tuple[int, ...], ...] | None:
+  """Groups of `mesh['a'=2,'b'=4] {'b'}`: devices varying over the listed
+  axes (row-major device ids); None for sub-axes and maximal meshes."""
+  if value.startswith('maximal_mesh') or ':(' in value:
+    return None
+  sizes = [(k, int(v)) for k, v in re.findall(
+      r"'?([^'=,\s\[\]]+)'?\s*=\s*(\d+)",
+      value[value.find('[') + 1:value.find(']')])]
+  listed = {a.strip("' ") for a in _split_top(
+      value[value.rfind('{') + 1:value.rfind('}')])}
+  names = [k for k, _ in sizes]
+  strides = {k: math.prod(v for _, v in sizes[i + 1:])
+             for i, (k, _) in enumerate(sizes)}
+  groups = {}
+  for flat in range(math.prod(v for _, v in sizes)):
+    key = tuple((flat // strides[k]) % dict(sizes)[k] for k in names
+                if k not in listed)
+    groups.setdefault(key, []).append(flat)
+  return tuple(tuple(g) for g in groups.values())
+
+
+def replica_groups(ins_attrs: str, num_devices: int
+                   ) -> tuple[tuple[int, ...], ...] | None:
+  """The replica groups of a collective's attribute text, as device ids."""
+  value = _attr_value(ins_attrs, 'replica_groups')
+  if value is None or re.fullmatch(r'\{\s*\}', value):
+    return (tuple(range(num_devices)),)
+  if value.startswith('['):
+    return _iota_groups(value)
+  if value.startswith(('mesh', 'maximal_mesh')):
+    return _mesh_groups(value)
+  return tuple(tuple(int(x) for x in g.split(',') if x.strip())
+               for g in re.findall(r'\{([\d,\s]*)\}', value[1:-1]))
 
 
 class _Module:
@@ -362,6 +416,8 @@ def collectives_from_hlo(hlo_text: str,
       if base not in KINDS:
         continue
       n, group_note = _group_size(ins, base, num_devices)
+      groups = (None if base == 'collective-permute' else
+                replica_groups(ins.attrs, num_devices))
       count, count_notes = mod.count(comp)
       note = '; '.join(sorted(count_notes) + ([group_note] if group_note
                                                else []))
@@ -370,7 +426,7 @@ def collectives_from_hlo(hlo_text: str,
         per_dtype[dtype] = per_dtype.get(dtype, 0) + elements
       for dtype, elements in per_dtype.items():
         rows.append(Collective(base, dtype, elements, n, count, ins.name,
-                               note))
+                               note, groups, ins.op_name))
   return rows
 
 

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from scape_jax.comm.axes import DATA
+
 try:  # jax >= 0.7: an all-gather whose result is typed invariant over the axis.
   from jax._src.lax.parallel import all_gather_invariant as _agi
 except ImportError:  # pragma: no cover - older JAX has no varying types.
@@ -54,7 +56,7 @@ def varying(x, axis_name: AxisNames):
                        to='varying')
 
 
-def pmean_gradients(axis_name: AxisNames = 'data'
+def pmean_gradients(axis_name: AxisNames = DATA
                     ) -> optax.GradientTransformation:
   """The dense data-parallel exchange: the mean of the gradients over `axis_name`.
 

@@ -24,6 +24,7 @@ import tarfile
 import tempfile
 import time
 from typing import Callable, Iterable
+import warnings
 
 import numpy as np
 
@@ -44,7 +45,18 @@ Doc = tuple[str, Callable[[], str]]  # (name, loader of its text)
 
 
 class CorpusError(ValueError):
-  """A prepared corpus directory is incomplete, corrupt or inconsistent."""
+  """A corpus that is missing, too small, incomplete, corrupt or inconsistent."""
+
+
+class CorpusWarning(UserWarning):
+  """A corpus that does not look like text."""
+
+
+# Above this share of characters that are not text (invalid UTF-8, replaced
+# by U+FFFD, or control characters other than whitespace), prepare warns.
+NOT_TEXT_WARN_SHARE = 0.01
+_CONTROL = ''.join(chr(c) for c in range(32) if chr(c) not in '\t\n\r\f\v')
+_NOT_TEXT = str.maketrans('', '', _CONTROL + '\ufffd')
 
 
 def cache_dir() -> str:
@@ -167,7 +179,7 @@ def _dir_docs(root: str, val_fraction: float) -> tuple[list[Doc], list[Doc]]:
       if f.endswith('.txt')
   )
   if len(names) < 2:
-    raise ValueError(
+    raise CorpusError(
         f'corpus directory {root!r} has {len(names)} .txt file(s); at least 2 '
         'are needed to hold out whole files for validation'
     )
@@ -182,12 +194,31 @@ def _dir_docs(root: str, val_fraction: float) -> tuple[list[Doc], list[Doc]]:
   return docs[:-num_val], docs[-num_val:]
 
 
-def _source_sha256(train: list[Doc], val: list[Doc]) -> str:
+def _not_text(text: str) -> int:
+  """Characters of `text` that are not text: U+FFFD or control characters."""
+  return len(text) - len(text.translate(_NOT_TEXT))
+
+
+def _scan_sources(train: list[Doc], val: list[Doc]) -> str:
+  """The sources' sha256; warns if a large share of them is not text."""
   h = hashlib.sha256()
+  chars, bad = 0, {}
   for split, docs in (('train', train), ('val', val)):
     for name, load in docs:
+      text = load()
       h.update(f'\0{split}\0{name}\0'.encode())
-      h.update(hashlib.sha256(load().encode('utf-8')).digest())
+      h.update(hashlib.sha256(text.encode('utf-8')).digest())
+      chars += len(text)
+      bad[name] = (_not_text(text), len(text))
+  total = sum(n for n, _ in bad.values())
+  if chars and total > NOT_TEXT_WARN_SHARE * chars:
+    worst = sorted(bad.items(), key=lambda kv: -kv[1][0])[:3]
+    warnings.warn(
+        f'{total / chars:.0%} of the corpus characters are not text (bytes '
+        'that are not valid UTF-8, replaced by U+FFFD, or control '
+        'characters); is it binary data? Most in: ' + ', '.join(
+            f'{n} ({b / max(c, 1):.0%})' for n, (b, c) in worst if b),
+        CorpusWarning, stacklevel=3)
   return h.hexdigest()
 
 
@@ -236,11 +267,11 @@ def prepare(
     train, val = _dir_docs(corpus, val_fraction)
     corpus_desc = os.path.abspath(corpus)
   else:
-    raise ValueError(
-        f"unknown corpus {corpus!r}: expected 'shakespeare' or a directory "
-        'of .txt files'
+    raise CorpusError(
+        f"corpus {corpus!r} is neither 'shakespeare' nor an existing "
+        'directory of .txt files'
     )
-  source = _source_sha256(train, val)
+  source = _scan_sources(train, val)
   try:
     old = load_meta(out_dir)
     if (

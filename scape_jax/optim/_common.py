@@ -1,14 +1,19 @@
-"""What every optimizer here shares: defaults, type aliases, checks, bias correction.
+"""What every optimizer here shares: defaults, type aliases, checks, bias
+correction, and the per-worker state helpers of the methods that exchange
+themselves.
 
 Defaults follow the SCAPE paper's Llama-500M run (design note, section 1).
 """
 
 import math
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+
+from scape_jax.comm.collectives import varying
 
 B1 = 0.9  # Decay rate of the first moment.
 B2 = 0.95  # Weight of the previous first moment squared (AdamS) / second moment.
@@ -41,7 +46,12 @@ def _check(where: str, name: str, value, ok, allowed: str) -> None:
 def check_betas(where: str, b1: float, b2: float) -> None:
   """Raises ValueError unless b1 and b2 are in [0, 1)."""
   for name, value in (('b1', b1), ('b2', b2)):
-    _check(where, name, value, lambda x: 0.0 <= x < 1.0, 'in [0, 1)')
+    check_decay(where, name, value)
+
+
+def check_decay(where: str, name: str, value: float) -> None:
+  """Raises ValueError unless a decay rate is in [0, 1)."""
+  _check(where, name, value, lambda x: 0.0 <= x < 1.0, 'in [0, 1)')
 
 
 def check_eps(where: str, eps: float) -> None:
@@ -53,6 +63,17 @@ def check_non_negative(where: str, name: str, value: float) -> None:
   _check(where, name, value, lambda x: x >= 0.0, 'finite and >= 0')
 
 
+def check_int(where: str, name: str, value, low: int,
+              high: Optional[int] = None, why: str = '') -> None:
+  """Raises ValueError unless `value` is an integer in [low, high]."""
+  ok = (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+        and value >= low and (high is None or value <= high))
+  if not ok:
+    allowed = (f'an integer >= {low}' if high is None else
+               f'an integer in [{low}, {high}]')
+    raise ValueError(f'{where}: {name}={value!r} must be {allowed}{why}.')
+
+
 def bias_corrected_direction(mu, nu, count, *, b1, b2, eps):
   """`(mu / (1 - b1^t)) / (sqrt(nu / (1 - b2^t)) + eps)` for step t = count.
 
@@ -62,3 +83,80 @@ def bias_corrected_direction(mu, nu, count, *, b1, b2, eps):
   c1 = 1.0 - jnp.asarray(b1, jnp.float32) ** t
   c2 = 1.0 - jnp.asarray(b2, jnp.float32) ** t
   return jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v / c2) + eps), mu, nu)
+
+
+def leaf_flags(where: str, name: str, params, tree_or_fn: MaskOrFn,
+               default: Callable[[jax.Array], bool]) -> list:
+  """One bool per leaf of `params` from an optax-style mask argument.
+
+  Args:
+    where: the caller, for error messages.
+    name: the argument's name, for error messages.
+    params: the parameter tree (arrays or shapes).
+    tree_or_fn: a tree of bools shaped like `params`, a callable
+      `params -> tree`, or None.
+    default: the flag of a leaf when `tree_or_fn` is None.
+
+  Returns:
+    A list of Python bools in `jax.tree.leaves(params)` order.
+  """
+  leaves, treedef = jax.tree.flatten(params)
+  if tree_or_fn is None:
+    return [bool(default(p)) for p in leaves]
+  tree = tree_or_fn(params) if callable(tree_or_fn) else tree_or_fn
+  try:
+    flags = treedef.flatten_up_to(tree)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        f'{where}: the {name} tree does not match the params: expected a '
+        f'tree of bools with structure {treedef}, got '
+        f'{jax.tree.structure(tree)}.') from e
+  for flag in flags:
+    if not isinstance(flag, (bool, np.bool_)):
+      raise ValueError(f'{where}: {name} entries must be bools, got {flag!r}.')
+  return [bool(f) for f in flags]
+
+
+def axis_context(where: str, axis_name: Optional[str]) -> tuple:
+  """(N, local) for an optimizer that exchanges over `axis_name`.
+
+  `local` means a bound axis (inside `shard_map`) or no axis: per-worker
+  state then has a leading size 1. Outside `shard_map`, `init` may run under
+  `jax.set_mesh(mesh)`; then `local` is False and per-worker state has a
+  leading size N (the global view).
+
+  Args:
+    where: the caller ('radius init', ...), for error messages.
+    axis_name: the data-parallel mesh axis, or None for a single worker.
+  """
+  if axis_name is None:
+    return 1, True
+  try:
+    return jax.lax.axis_size(axis_name), True
+  except NameError:
+    pass
+  mesh = jax.sharding.get_abstract_mesh()
+  if (where.endswith('init') and not mesh.empty and
+      axis_name in mesh.axis_names):
+    return mesh.shape[axis_name], False
+  raise ValueError(
+      f'{where}: axis_name={axis_name!r} is not bound. Call update inside '
+      f'jax.shard_map over a mesh with a {axis_name!r} axis (init also works '
+      'under jax.set_mesh(mesh)), or pass axis_name=None for a single '
+      'worker.')
+
+
+def per_worker(x: jax.Array, leading: int, axis_name: Optional[str],
+               local: bool) -> jax.Array:
+  """`x` with a leading worker axis of size `leading`, typed per worker."""
+  x = jnp.broadcast_to(x, (leading,) + x.shape)
+  return varying(x, axis_name) if local else x
+
+
+def check_per_worker_state(where: str, norm: jax.Array) -> None:
+  """Raises unless a per-worker state field has the local leading size 1."""
+  if norm.shape[:1] != (1,):
+    raise ValueError(
+        f'{where}: per-worker state has leading size {norm.shape[:1]}, '
+        'expected 1. Pass the state through shard_map with '
+        'in_specs=scape_jax.state_partition_specs(state).')

@@ -23,6 +23,7 @@ import numpy as np
 import optax
 
 from scape_jax.comm import masks
+from scape_jax.comm.axes import DATA
 from scape_jax.comm.collectives import all_gather_invariant, varying
 from scape_jax.optim import _common
 from scape_jax.optim._common import MaskOrFn, ScalarOrSchedule
@@ -141,29 +142,6 @@ class CompressionPlan:
     return layout is not None and k < layout.chunk_size
 
 
-def _axis_context(axis_name: Optional[str], where: str):
-  """(N, local): local means a bound axis (inside shard_map) or no axis."""
-  if axis_name is None:
-    return 1, True
-  try:
-    return jax.lax.axis_size(axis_name), True
-  except NameError:
-    pass
-  mesh = jax.sharding.get_abstract_mesh()
-  if where == 'init' and not mesh.empty and axis_name in mesh.axis_names:
-    return mesh.shape[axis_name], False
-  raise ValueError(
-      f'scape {where}: axis_name={axis_name!r} is not bound. Call update '
-      f'inside jax.shard_map over a mesh with a {axis_name!r} axis (init also '
-      'works under jax.set_mesh(mesh)), or pass axis_name=None for a single '
-      'worker.')
-
-
-def _per_worker(x, leading: int, axis_name, local: bool):
-  x = jnp.broadcast_to(x, (leading,) + x.shape)
-  return varying(x, axis_name) if local else x
-
-
 def scale_by_scape(
     density: Union[float, DensitySchedule],
     *,
@@ -171,7 +149,7 @@ def scale_by_scape(
     b2: float = _common.B2,
     eps: float = _common.EPS,
     clip_norm: Optional[float] = _common.CLIP_NORM,
-    axis_name: Optional[str] = 'data',
+    axis_name: Optional[str] = DATA,
     compress: MaskOrFn = None,
     density_warmup_steps: int = 0,
     mask_encoding: str = 'auto',
@@ -235,10 +213,10 @@ def scale_by_scape(
                  variant=variant)
 
   def init_fn(params):
-    n, local = _axis_context(axis_name, 'init')
+    n, local = _common.axis_context('scape init', axis_name)
     leading = 1 if local else n
     plan = CompressionPlan.create(params, compress, n)
-    per_worker = functools.partial(_per_worker, leading=leading,
+    per_worker = functools.partial(_common.per_worker, leading=leading,
                                    axis_name=axis_name, local=local)
     residual, own_mask = [], []
     for p, layout in zip(jax.tree.leaves(params), plan.layouts):
@@ -259,13 +237,9 @@ def scale_by_scape(
 
   def update_fn(updates, state, params=None, *, density_level=None, **extra):
     del params, extra
-    n, _ = _axis_context(axis_name, 'update')
+    n, _ = _common.axis_context('scape update', axis_name)
     plan = CompressionPlan.create(updates, compress, n)
-    if state.residual_norm.shape != (1,):
-      raise ValueError(
-          'scape update: per-worker state has leading size '
-          f'{state.residual_norm.shape[0]}, expected 1. Pass the state through '
-          'shard_map with in_specs=scape_jax.state_partition_specs(state).')
+    _common.check_per_worker_state('scape update', state.residual_norm)
     step = functools.partial(_update_at_level, updates, state, plan=plan,
                              hyper=hyper, schedule=schedule)
     if density_level is not None:
@@ -304,7 +278,8 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
   mu = flat(state.mu)
   k_levels = [None if layout is None else plan.k_per_level(j, hyper.levels)
               for j, layout in enumerate(plan.layouts)]
-  k_now = [None if ks is None else ks[level] for ks in k_levels]
+  k_now = [None if per_level is None else per_level[level]
+           for per_level in k_levels]
 
   moment = _semi_updated_moment(grad_leaves, mu, flat(state.residual),
                                 plan, hyper.b1)
@@ -517,7 +492,7 @@ def scape(
     eps: float = _common.EPS,
     weight_decay: float = _common.WEIGHT_DECAY,
     clip_norm: Optional[float] = _common.CLIP_NORM,
-    axis_name: Optional[str] = 'data',
+    axis_name: Optional[str] = DATA,
     compress: MaskOrFn = None,
     density_warmup_steps: int = 0,
     mask_encoding: str = 'auto',

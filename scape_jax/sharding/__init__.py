@@ -1,20 +1,27 @@
 """The mesh, logical-axis rules, PartitionSpecs and parameter layouts."""
 
+from scape_jax.sharding import fcdp
+from scape_jax.sharding.fcdp import FcdpOptions
 from scape_jax.sharding.layout import Layout
 from scape_jax.sharding.mesh import BATCH_AXES
 from scape_jax.sharding.mesh import DATA
 from scape_jax.sharding.mesh import FSDP
+from scape_jax.sharding.mesh import FSDP_AXES
 from scape_jax.sharding.mesh import MESH_AXES
+from scape_jax.sharding.mesh import NODE
 from scape_jax.sharding.mesh import REPLICA
 from scape_jax.sharding.mesh import TENSOR
 from scape_jax.sharding.mesh import make_mesh
+from scape_jax.sharding.placement import init_sharded
+from scape_jax.sharding.placement import place
 from scape_jax.sharding.specs import LOGICAL_RULES
 from scape_jax.sharding.specs import param_partition_specs
 from scape_jax.sharding.specs import state_partition_specs
 from scape_jax.sharding.specs import with_replica_axis
 
 __all__ = [
-    'BATCH_AXES', 'DATA', 'FSDP', 'LOGICAL_RULES', 'Layout', 'MESH_AXES',
-    'REPLICA', 'TENSOR', 'make_mesh', 'param_partition_specs',
-    'state_partition_specs', 'with_replica_axis',
+    'BATCH_AXES', 'DATA', 'FSDP', 'FSDP_AXES', 'FcdpOptions', 'LOGICAL_RULES',
+    'Layout', 'MESH_AXES', 'NODE', 'REPLICA', 'TENSOR', 'fcdp', 'init_sharded',
+    'make_mesh', 'param_partition_specs', 'place', 'state_partition_specs',
+    'with_replica_axis',
 ]

@@ -1,14 +1,9 @@
-"""The device mesh: its axis names, in one place, and how it is built.
+"""The device mesh and how it is built from the configured axis sizes.
 
-    ('replica', 'data', 'fsdp', 'tensor')
-
-* `replica`: groups that hold their own parameters between synchronisations
-  (DiLoCo/Pier); size 1 for every other method.
-* `data`: data-parallel workers; the optimizers' own exchange runs over it.
-* `fsdp`: parameters and optimizer state split over it (ZeRO-3 style).
-* `tensor`: reserved.
-
-The batch is split over `replica`, `data` and `fsdp` together.
+The axis names and what each is for are in `scape_jax.comm.axes`. Devices
+are laid out in the order given (process by process), 'node' outside 'fsdp',
+so a 'fsdp' group is one run of consecutive devices: one host's devices when
+`mesh.fsdp // mesh.nodes` is its device count.
 """
 
 import math
@@ -17,19 +12,28 @@ from typing import Optional, Sequence
 import jax
 from jax.sharding import AxisType
 
-REPLICA = 'replica'
-DATA = 'data'
-FSDP = 'fsdp'
-TENSOR = 'tensor'
-MESH_AXES = (REPLICA, DATA, FSDP, TENSOR)
-BATCH_AXES = (REPLICA, DATA, FSDP)  # the batch dimension is split over these
+from scape_jax.comm.axes import BATCH_AXES  # pylint: disable=unused-import
+from scape_jax.comm.axes import DATA
+from scape_jax.comm.axes import FSDP
+from scape_jax.comm.axes import FSDP_AXES
+from scape_jax.comm.axes import MESH_AXES
+from scape_jax.comm.axes import NODE
+from scape_jax.comm.axes import REPLICA
+from scape_jax.comm.axes import TENSOR
 
 
 def make_mesh(*, replica: int = 1, data: int = -1, fsdp: int = 1,
-              tensor: int = 1,
+              tensor: int = 1, nodes: int = 1,
               devices: Optional[Sequence[jax.Device]] = None
               ) -> jax.sharding.Mesh:
   """A mesh over `MESH_AXES`; `data=-1` takes the devices the others leave.
+
+  Args:
+    replica, data, tensor: the sizes of those axes.
+    fsdp: the size of the whole fsdp group ('node' x 'fsdp').
+    nodes: how many nodes the fsdp group spans (the 'node' axis); it must
+      divide `fsdp`.
+    devices: the devices, in order; all of `jax.devices()` by default.
 
   Raises:
     ValueError: a size below 1, or sizes that do not fit the devices.
@@ -41,6 +45,10 @@ def make_mesh(*, replica: int = 1, data: int = -1, fsdp: int = 1,
       raise ValueError(f'mesh.{name}={size} must be >= 1'
                        + (' or -1 (all remaining devices)'
                           if name == DATA else '') + '.')
+  if nodes < 1 or fsdp % nodes:
+    raise ValueError(f'mesh.nodes={nodes} must be >= 1 and divide '
+                     f'mesh.fsdp={fsdp} (the fsdp group is nodes x devices '
+                     'per node).')
   if tensor != 1:
     raise ValueError(f'mesh.tensor={tensor}: only 1 is supported so far; the '
                      'axis is reserved.')
@@ -58,7 +66,8 @@ def make_mesh(*, replica: int = 1, data: int = -1, fsdp: int = 1,
     raise ValueError(f'{shape} = {total} devices does not fit the '
                      f'{len(devices)} devices; use sizes whose product '
                      f'divides {len(devices)} (mesh.data=-1 takes the rest).')
-  return jax.make_mesh(tuple(sizes.values()), MESH_AXES,
+  shape = (replica, data, nodes, fsdp // nodes, tensor)
+  return jax.make_mesh(shape, MESH_AXES,
                        axis_types=(AxisType.Auto,) * len(MESH_AXES),
                        devices=devices[:total])
 
@@ -66,3 +75,13 @@ def make_mesh(*, replica: int = 1, data: int = -1, fsdp: int = 1,
 def axis_size(mesh: jax.sharding.Mesh, name: str) -> int:
   """The size of axis `name` of `mesh`, 1 if it has no such axis."""
   return mesh.shape[name] if name in mesh.axis_names else 1
+
+
+def fsdp_axes(mesh: jax.sharding.Mesh) -> tuple:
+  """The mesh axes of the fsdp group that have more than one device."""
+  return tuple(a for a in FSDP_AXES if axis_size(mesh, a) > 1)
+
+
+def fsdp_size(mesh: jax.sharding.Mesh) -> int:
+  """Devices in one fsdp group ('node' x 'fsdp')."""
+  return math.prod(axis_size(mesh, a) for a in FSDP_AXES)

@@ -16,11 +16,12 @@ from typing import Any, Optional, Sequence
 import jax
 from jax.sharding import PartitionSpec as P
 
-from scape_jax.sharding.mesh import DATA, FSDP, REPLICA
+from scape_jax.sharding.mesh import DATA, FSDP, FSDP_AXES, NODE, REPLICA
 
-# Logical axis -> mesh axis under the fsdp layout: every weight is split over
-# 'fsdp' along its model dimension (MaxText's rule for 'embed').
-LOGICAL_RULES = (('embed', FSDP),)
+# Logical axis -> mesh axes under the fsdp layout: every weight is split over
+# the fsdp group ('fsdp' x 'node') along its model dimension (MaxText's rule
+# for 'embed').
+LOGICAL_RULES = (('embed', FSDP_AXES),)
 
 
 def _is_names(x) -> bool:
@@ -28,17 +29,25 @@ def _is_names(x) -> bool:
                                       for n in x)
 
 
+def _entry(axes, sizes: dict):
+  """A PartitionSpec entry for `axes`, leaving out axes of size 1."""
+  axes = axes if isinstance(axes, tuple) else (axes,)
+  kept = tuple(a for a in axes if sizes.get(a, 1) > 1)
+  return kept[0] if len(kept) == 1 else (kept or None)
+
+
 def param_partition_specs(abstract_params, logical_axes, *, fsdp: int = 1,
-                          rules: Sequence = LOGICAL_RULES):
+                          nodes: int = 1, rules: Sequence = LOGICAL_RULES):
   """The PartitionSpec of every parameter from its logical axis names.
 
   Args:
     abstract_params: a tree of arrays or `jax.ShapeDtypeStruct`s.
     logical_axes: the same tree with a tuple of logical names per leaf (one
       per dimension; None for an unnamed one).
-    fsdp: the size of the mesh's 'fsdp' axis; 1 replicates every parameter.
-    rules: (logical name, mesh axis) pairs; the first dimension whose name
-      has a rule is split.
+    fsdp: the size of the whole fsdp group; 1 replicates every parameter.
+    nodes: how many nodes it spans (the 'node' axis); 'fsdp' has the rest.
+    rules: (logical name, mesh axes) pairs; the first dimension whose name
+      has a rule is split (over those of its axes larger than 1).
 
   Returns:
     A tree of PartitionSpecs shaped like `abstract_params`.
@@ -49,6 +58,7 @@ def param_partition_specs(abstract_params, logical_axes, *, fsdp: int = 1,
   if fsdp == 1:
     return jax.tree.map(lambda _: P(), abstract_params)
   mapping = dict(rules)
+  sizes = {NODE: nodes, FSDP: fsdp // nodes}
   paths = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
   names = jax.tree.leaves(logical_axes, is_leaf=_is_names)
   if len(names) != len(paths):
@@ -63,7 +73,7 @@ def param_partition_specs(abstract_params, logical_axes, *, fsdp: int = 1,
           problems.append(
               f'{jax.tree_util.keystr(path)}: dimension {dim} ({name!r}) of '
               f'shape {tuple(x.shape)} is not divisible by mesh.fsdp={fsdp}')
-        spec[dim] = mapping[name]
+        spec[dim] = _entry(mapping[name], sizes)
         break
     specs.append(P(*spec))
   if problems:

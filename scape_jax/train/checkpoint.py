@@ -5,7 +5,8 @@ Layout: `directory/<step>/` holds three orbax items:
 * `state`: the pytree of arrays (`StandardSave`: OCDBT + zarr via tensorstore),
 * `extras`: a JSON object (config, data iterator state, ...),
 * `checksums`: a JSON manifest with, per leaf (keyed by `jax.tree_util.keystr`),
-  its shape, dtype and two 32-bit checksums of its bits.
+  its shape, dtype and two 32-bit checksums of its bits, and the sha256 of the
+  extras (so that a changed data position is caught like a changed array).
 
 Orbax writes each step into a temporary directory and renames it when
 complete, so an interrupted save never looks like a finished step (orbax
@@ -14,7 +15,8 @@ metadata/B-tree nodes, but not garbled bytes inside large array values (they
 are stored without a checksum), and it silently casts when the requested
 dtype differs from the stored one. The manifest closes both holes: `restore`
 checks structure, shapes and dtypes against it before reading, and the
-checksums of the restored arrays after.
+checksums of the restored arrays (and the extras) after. `save` refuses a
+state with a NaN or an infinity unless asked (`allow_non_finite=True`).
 
 The checksums are computed on device (a jitted, sharding-agnostic uint32
 reduction; integer addition wraps, so the result does not depend on the
@@ -22,7 +24,9 @@ sharding or on the reduction order): one read of the state per save/restore.
 """
 
 from collections.abc import Mapping
+import hashlib
 import json
+import logging
 import os
 from typing import Any
 
@@ -35,12 +39,27 @@ import orbax.checkpoint as ocp
 PyTree = Any
 
 _ITEMS = ('state', 'extras', 'checksums')
-_MANIFEST_VERSION = 1
+_MANIFEST_VERSION = 2  # 2: adds 'extras_sha256'; version 1 is still read.
 _MAX_LISTED = 8  # Problems listed in one error message.
 
 
 class CheckpointError(RuntimeError):
   """A checkpoint is missing, corrupt, incompatible or already exists."""
+
+
+class CorruptCheckpointError(CheckpointError):
+  """A checkpoint's files are damaged: unreadable or not what was saved."""
+
+
+class _ReadOnlyNotice(logging.Filter):
+  """Drops orbax's warning 'Given directory is read only': restoring opens
+  the directory read-only on purpose, so that nothing there is written."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith('Given directory is read only')
+
+
+logging.getLogger('absl').addFilter(_ReadOnlyNotice())
 
 
 # ----------------------------------------------------------------------------
@@ -68,6 +87,14 @@ def _words(x: jax.Array) -> jax.Array:
       jnp.uint32)
 
 
+def _on_device(x: jax.Array) -> jax.Array:
+  """`x`, copied to device memory if it lives in host memory (FCDP's cache,
+  DiLoCo's outer state): arithmetic needs its operands in one memory space."""
+  if getattr(jax.typeof(x), 'memory_space', None) == jax.memory.Space.Host:
+    return jax.device_put(x, jax.memory.Space.Device)
+  return x
+
+
 def _leaf_checksum(x: jax.Array) -> jax.Array:
   """[sum(w), sum(w * (2i + 1))] mod 2**32 over the words w, i = flat index.
 
@@ -84,16 +111,27 @@ def _leaf_checksum(x: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _checksums(leaves: list[jax.Array]) -> list[jax.Array]:
-  return [_leaf_checksum(x) for x in leaves]
+def _checksums(leaves: list[jax.Array]) -> list[tuple[jax.Array, jax.Array]]:
+  """(checksum, all entries finite) of every leaf, in one read of each."""
+  leaves = [_on_device(x) for x in leaves]
+  return [(_leaf_checksum(x),
+           jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
+           else jnp.bool_(True)) for x in leaves]
 
 
 def _is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def _manifest(state: PyTree) -> dict[str, Any]:
-  """Shape, dtype and checksum (None if unsupported) of every leaf."""
+def _extras_sha256(extras: Mapping[str, Any]) -> str:
+  canonical = json.dumps(extras, sort_keys=True, separators=(',', ':'))
+  return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _manifest(state: PyTree, extras: Mapping[str, Any] | None = None
+              ) -> tuple[dict[str, Any], list[str]]:
+  """The manifest (shape, dtype and checksum, None if unsupported, of every
+  leaf; the extras' sha256) and the keys of leaves with non-finite entries."""
   leaves, _ = jax.tree_util.tree_flatten_with_path(state)
   entries, summed = {}, []
   for path, x in leaves:
@@ -101,12 +139,18 @@ def _manifest(state: PyTree) -> dict[str, Any]:
     if _is_array(x):
       entry['shape'], entry['dtype'] = list(x.shape), str(x.dtype)
       if _has_checksum(x.dtype):
-        summed.append((entry, x))
+        summed.append((jax.tree_util.keystr(path), entry, x))
     entries[jax.tree_util.keystr(path)] = entry
-  sums = jax.device_get(_checksums([x for _, x in summed]))
-  for (entry, _), s in zip(summed, sums):
-    entry['checksum'] = [int(v) for v in s]
-  return {'version': _MANIFEST_VERSION, 'leaves': entries}
+  results = jax.device_get(_checksums([x for _, _, x in summed]))
+  non_finite = []
+  for (key, entry, _), (checksum, finite) in zip(summed, results):
+    entry['checksum'] = [int(v) for v in checksum]
+    if not finite:
+      non_finite.append(key)
+  manifest = {'version': _MANIFEST_VERSION, 'leaves': entries}
+  if extras is not None:
+    manifest['extras_sha256'] = _extras_sha256(extras)
+  return manifest, non_finite
 
 
 def _limit(problems: list[str]) -> str:
@@ -117,15 +161,19 @@ def _limit(problems: list[str]) -> str:
   return '\n  '.join([''] + shown)
 
 
-def _check_compatible(manifest: dict[str, Any], abstract: PyTree) -> list[str]:
-  """Structure/shape/dtype differences between the manifest and `abstract`."""
+def _check_compatible(manifest: dict[str, Any], abstract: PyTree,
+                      partial: bool = False) -> list[str]:
+  """Structure/shape/dtype differences between the manifest and `abstract`.
+
+  With `partial`, leaves of the checkpoint that `abstract` lacks are fine.
+  """
   saved = manifest['leaves']
   wanted = {jax.tree_util.keystr(p): x
             for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
   problems = [f'{k}: in abstract_state, not in the checkpoint'
               for k in wanted if k not in saved]
   problems += [f'{k}: in the checkpoint, not in abstract_state'
-               for k in saved if k not in wanted]
+               for k in saved if k not in wanted and not partial]
   for key in wanted.keys() & saved.keys():
     entry, x = saved[key], wanted[key]
     if entry['shape'] is None or not hasattr(x, 'shape'):
@@ -139,7 +187,7 @@ def _check_compatible(manifest: dict[str, Any], abstract: PyTree) -> list[str]:
 
 def _check_sums(manifest: dict[str, Any], state: PyTree) -> list[str]:
   """Leaves of the restored `state` whose checksums differ from the saved."""
-  actual = _manifest(state)['leaves']
+  actual = _manifest(state)[0]['leaves']
   return [f'{k}: checksum mismatch (data garbled)'
           for k, entry in sorted(manifest['leaves'].items())
           if entry['checksum'] is not None and k in actual
@@ -210,12 +258,14 @@ class Checkpointer:
     return steps[-1] if steps else None
 
   def save(self, step: int, state: PyTree,
-           extras: Mapping[str, Any] | None = None) -> None:
+           extras: Mapping[str, Any] | None = None, *,
+           allow_non_finite: bool = False) -> None:
     """Starts saving `state` and JSON `extras` as `step`; never overwrites.
 
     Raises:
-      CheckpointError: the step exists, extras are not JSON-serializable or
-        orbax failed to start the save.
+      CheckpointError: the step exists, extras are not JSON-serializable, the
+        state holds a NaN or an infinity (unless `allow_non_finite`) or orbax
+        failed to start the save.
     """
     extras = dict(extras or {})
     try:
@@ -229,7 +279,10 @@ class Checkpointer:
       raise CheckpointError(f'checkpoint step {step} already exists in '
                             f'{self.directory} (steps: {steps}); refusing to '
                             'overwrite')
-    manifest = _manifest(state)
+    manifest, non_finite = _manifest(state, extras)
+    if non_finite and not allow_non_finite:
+      raise CheckpointError(f'refusing to save step {step}: non-finite values '
+                            f'(NaN or inf) in{_limit(non_finite)}')
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               extras=ocp.args.JsonSave(extras),
                               checksums=ocp.args.JsonSave(manifest))
@@ -239,22 +292,8 @@ class Checkpointer:
       raise CheckpointError(f'saving step {step} to {self.directory} failed: '
                             f'{_first_line(e)}') from e
 
-  def restore(self, step: int | None,
-              abstract_state: PyTree) -> tuple[PyTree, dict[str, Any]]:
-    """Restores (state, extras) of `step` (None: the latest).
-
-    Args:
-      step: the step to restore, or None for the latest.
-      abstract_state: pytree of `jax.ShapeDtypeStruct` with shardings; the
-        restored arrays get these shardings. Shapes and dtypes must match.
-
-    Returns:
-      The restored state and extras.
-
-    Raises:
-      CheckpointError: no such directory/step, a corrupt checkpoint, or one
-        whose structure, shapes or dtypes differ from `abstract_state`.
-    """
+  def _open(self, step: int | None) -> tuple[ocp.CheckpointManager, int, str]:
+    """(read manager, step, description) of an existing finished step."""
     manager = self._read_manager()
     if manager is None:
       raise CheckpointError(f'checkpoint directory {self.directory} does not '
@@ -266,30 +305,117 @@ class Checkpointer:
     if step not in steps:
       raise CheckpointError(f'no checkpoint for step {step} in '
                             f'{self.directory}; steps there: {steps}')
-    where = f'checkpoint {os.path.join(self.directory, str(step))}'
+    return manager, step, (
+        f'checkpoint {os.path.join(self.directory, str(step))}')
+
+  @staticmethod
+  def _read(manager, step: int, where: str, **items) -> Any:
+    """Restores the named JSON items of `step`; any failure is corruption."""
     try:
-      manifest = manager.restore(step, args=ocp.args.Composite(
-          checksums=ocp.args.JsonRestore())).checksums
-      if not isinstance(manifest, dict) or 'leaves' not in manifest:
-        raise ValueError(f'malformed checksum manifest: {manifest!r:.200}')
+      return manager.restore(step, args=ocp.args.Composite(**{
+          name: ocp.args.JsonRestore() for name in items}))
     except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(f'{where} is corrupt: cannot read its checksum '
-                            f'manifest: {_first_line(e)}') from e
-    problems = _check_compatible(manifest, abstract_state)
+      raise CorruptCheckpointError(
+          f'{where} is corrupt: cannot read its {" and ".join(items.values())}'
+          f': {_first_line(e)}') from e
+
+  def _manifest_of(self, manager, step: int, where: str) -> dict[str, Any]:
+    manifest = self._read(manager, step, where,
+                          checksums='checksum manifest').checksums
+    if not isinstance(manifest, dict) or 'leaves' not in manifest:
+      raise CorruptCheckpointError(f'{where} is corrupt: malformed checksum '
+                                   f'manifest {manifest!r:.200}')
+    return manifest
+
+  @staticmethod
+  def _check_extras(manifest, extras, where: str) -> dict[str, Any]:
+    extras = dict(extras or {})
+    want = manifest.get('extras_sha256')  # None: a version 1 manifest
+    if want is not None and _extras_sha256(extras) != want:
+      raise CorruptCheckpointError(
+          f'{where} is corrupt: its extras (data position, config) differ '
+          'from what was saved (sha256 mismatch)')
+    return extras
+
+  def read_extras(self, step: int | None) -> tuple[int, dict[str, Any]]:
+    """(step, extras) of `step` (None: the latest), checked, without the state.
+
+    Raises:
+      CheckpointError: no such directory/step.
+      CorruptCheckpointError: the extras or the manifest are damaged.
+    """
+    manager, step, where = self._open(step)
+    manifest = self._manifest_of(manager, step, where)
+    extras = self._read(manager, step, where, extras='extras').extras
+    return step, self._check_extras(manifest, extras, where)
+
+  def restore(self, step: int | None, abstract_state: PyTree, *,
+              partial: bool = False) -> tuple[PyTree, dict[str, Any]]:
+    """Restores (state, extras) of `step` (None: the latest).
+
+    Args:
+      step: the step to restore, or None for the latest.
+      abstract_state: pytree of `jax.ShapeDtypeStruct` with shardings; the
+        restored arrays get these shardings. Shapes and dtypes must match.
+      partial: `abstract_state` may name only part of the saved tree (e.g.
+        `{'params': ...}`); only that part is read.
+
+    Returns:
+      The restored state and extras.
+
+    Raises:
+      CheckpointError: no such directory/step, or a checkpoint whose
+        structure, shapes or dtypes differ from `abstract_state`.
+      CorruptCheckpointError: a damaged checkpoint.
+    """
+    manager, step, where = self._open(step)
+    manifest = self._manifest_of(manager, step, where)
+    problems = _check_compatible(manifest, abstract_state, partial)
     if problems:
       raise CheckpointError(f'{where} does not match abstract_state:'
                             f'{_limit(problems)}')
+    if partial:
+      state_args = ocp.args.PyTreeRestore(
+          abstract_state, partial_restore=True,
+          restore_args=ocp.checkpoint_utils.construct_restore_args(
+              abstract_state))
+    else:
+      state_args = ocp.args.StandardRestore(abstract_state)
     try:
       restored = manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state),
-          extras=ocp.args.JsonRestore()))
+          state=state_args, extras=ocp.args.JsonRestore()))
     except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(f'{where} is corrupt or unreadable: '
-                            f'{_first_line(e)}') from e
+      raise CorruptCheckpointError(f'{where} is corrupt or unreadable: '
+                                   f'{_first_line(e)}') from e
     problems = _check_sums(manifest, restored.state)
     if problems:
-      raise CheckpointError(f'{where} is corrupt:{_limit(problems)}')
-    return restored.state, dict(restored.extras or {})
+      raise CorruptCheckpointError(f'{where} is corrupt:{_limit(problems)}')
+    return restored.state, self._check_extras(manifest, restored.extras, where)
+
+  def set_aside(self, step: int) -> str:
+    """Moves step `step` out of the directory, into `<directory>.corrupt/`.
+
+    Nothing is deleted: the files stay for inspection, and the step number
+    is free to be saved again. Call it on every process (process 0 moves).
+
+    Returns:
+      The new path of the step.
+    """
+    self.wait()
+    target = os.path.join(f'{self.directory}.corrupt', str(step))
+    suffix = 0
+    while os.path.exists(target if not suffix else f'{target}-{suffix}'):
+      suffix += 1
+    target = target if not suffix else f'{target}-{suffix}'
+    if jax.process_index() == 0:
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      os.rename(os.path.join(self.directory, str(step)), target)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      multihost_utils.sync_global_devices(f'checkpoint {step} set aside')
+    if self._writer is not None:
+      self._writer.reload()
+    return target
 
   def wait(self) -> None:
     """Blocks until pending saves are written (and old steps pruned)."""

@@ -47,12 +47,26 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass(slots=True)
+class LoraConfig:
+  """LoRA adapters (models/lora.py); on when `targets` names layers."""
+  rank: int = 8  # Inner dimension of the adapters A [d_in, r], B [r, d_out].
+  alpha: float = 16.0  # The update is scaled by alpha / rank.
+  # Layers inside a block that get adapters ('q_proj', 'mlp.c_fc', ...);
+  # empty: no LoRA. Their base weights (all but the adapters) are frozen.
+  targets: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(slots=True)
 class ModelConfig:
   preset: str = 'llama-tiny'  # A name in models.PRESETS (checked by trainer).
   dtype: str = 'bfloat16'  # Compute dtype: one of DTYPES.
   param_dtype: str = 'float32'  # Parameter (master copy) dtype.
   remat: bool = False  # Rematerialise each block in the backward pass.
   attn_impl: str = 'xla'  # One of ATTN_IMPLS; cudnn: flash attention on GPU.
+  # A transformers GPT-2/Llama directory (config.json + model.safetensors):
+  # a new run starts from its weights and takes its shape (preset ignored).
+  init_from: str = ''
+  lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
 
 @dataclasses.dataclass(slots=True)
@@ -93,7 +107,17 @@ class MeshConfig:
   replica: int = 1  # Replica groups (methods with one model copy per group).
   data: int = -1  # Data-parallel workers; -1: all devices the others leave.
   fsdp: int = 1  # Parameters and optimizer state split over this many.
+  nodes: int = 1  # Nodes the fsdp group spans (mesh axis 'node'); divides fsdp.
   tensor: int = 1  # Reserved: only 1.
+
+
+@dataclasses.dataclass(slots=True)
+class FcdpConfig:
+  """FCDP on top of mesh.fsdp > 1; each switch alone or together
+  (scape_jax/sharding/fcdp.py). All off: ZeRO-3 per-unit gathers."""
+  host_cache: bool = False  # Backward pass reads forward gathers from host.
+  hierarchical: bool = False  # Gather over 'node', then within the node.
+  lora_aware: bool = False  # Frozen LoRA base weights gathered once, on host.
 
 
 @dataclasses.dataclass(slots=True)
@@ -103,12 +127,16 @@ class Config:
       default_factory=OptimizerConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  fcdp: FcdpConfig = dataclasses.field(default_factory=FcdpConfig)
   steps: int = 1000  # Optimizer updates in the whole run.
   seed: int = 0  # Model initialisation and data order.
   log_every: int = 10  # Steps between fetches of the metrics.
   eval_every: int = 100  # Steps between evaluations; 0: only at the end.
   eval_batches: int = 8  # Batches of the validation split per evaluation.
   ckpt_every: int = 0  # Steps between checkpoints; 0: only at the end.
+  # A step whose loss, gradient norm or update is not finite is skipped
+  # (params and state unchanged); this many in a row stop the run.
+  max_bad_steps: int = 10
   out_dir: str = 'runs/default'  # Checkpoints, metrics and plots.
 
 
@@ -203,8 +231,19 @@ def _parse_str(key: str, value: Any) -> str:
   raise _type_error(key, value, str)
 
 
+def _parse_names(key: str, value: Any) -> list[str]:
+  """A list of names: a list/tuple of strings or 'a,b,c' (command line)."""
+  if isinstance(value, str):
+    return [v.strip() for v in value.split(',') if v.strip()]
+  if isinstance(value, (list, tuple)) and all(isinstance(v, str)
+                                              for v in value):
+    return list(value)
+  raise ConfigError(f'config key {key!r}: expected a list of names (or '
+                    f"'a,b' on the command line), got {value!r}")
+
+
 _PARSERS = {int: _parse_int, float: _parse_float, bool: _parse_bool,
-            str: _parse_str}
+            str: _parse_str, list[str]: _parse_names}
 
 
 def _set_leaf(obj: Any, prefix: str, key: str, value: Any) -> None:
@@ -384,6 +423,8 @@ def _problems(cfg: Config) -> list[str]:
       (cfg.eval_batches >= 1,
        f'eval_batches must be >= 1, got {cfg.eval_batches}'),
       (cfg.ckpt_every >= 0, f'ckpt_every must be >= 0, got {cfg.ckpt_every}'),
+      (cfg.max_bad_steps >= 1,
+       f'max_bad_steps must be >= 1, got {cfg.max_bad_steps}'),
       (cfg.model.attn_impl in ATTN_IMPLS,
        f'model.attn_impl must be one of {ATTN_IMPLS}, got '
        f'{cfg.model.attn_impl!r}'),
@@ -404,7 +445,27 @@ def _problems(cfg: Config) -> list[str]:
       (m.tensor >= 1, f'mesh.tensor must be >= 1, got {m.tensor}'),
   ]
   problems = [message for ok, message in checks if not ok]
-  return problems + _optimizer_problems(cfg)
+  return problems + _fcdp_problems(cfg) + _optimizer_problems(cfg)
+
+
+def _fcdp_problems(cfg: Config) -> list[str]:
+  """LoRA, mesh.nodes and the FCDP switches."""
+  lora, m, f = cfg.model.lora, cfg.mesh, cfg.fcdp
+  on = [k for k in ('host_cache', 'hierarchical', 'lora_aware')
+        if getattr(f, k)]
+  checks = [
+      (lora.rank >= 1, f'model.lora.rank must be >= 1, got {lora.rank}'),
+      (lora.alpha > 0, f'model.lora.alpha must be > 0, got {lora.alpha}'),
+      (m.nodes >= 1 and m.fsdp >= 1 and m.fsdp % m.nodes == 0,
+       f'mesh.nodes={m.nodes} must be >= 1 and divide mesh.fsdp={m.fsdp}'),
+      (not on or m.fsdp > 1, f'fcdp.{on[0] if on else ""} needs the fsdp '
+       f'layout (mesh.fsdp > 1), got mesh.fsdp={m.fsdp}'),
+      (not f.hierarchical or m.nodes > 1, 'fcdp.hierarchical needs an fsdp '
+       f'group over several nodes (mesh.nodes > 1), got mesh.nodes={m.nodes}'),
+      (not f.lora_aware or bool(lora.targets), 'fcdp.lora_aware needs LoRA: '
+       'set model.lora.targets'),
+  ]
+  return [message for ok, message in checks if not ok]
 
 
 def validate(cfg: Config) -> None:
@@ -442,8 +503,8 @@ def format(cfg: Config) -> str:  # pylint: disable=redefined-builtin
     fields = [(g.name, getattr(obj, g.name)) for g in dataclasses.fields(obj)]
     lines.append(f'{name}: ' + ' '.join(
         f'{k}={v!r}' for k, v in fields if not dataclasses.is_dataclass(v)))
-    for k, v in fields:
-      if dataclasses.is_dataclass(v) and k == getattr(obj, 'name', None):
+    for k, v in fields:  # of the methods' sections only the one in use
+      if dataclasses.is_dataclass(v) and k == getattr(obj, 'name', k):
         section(f'{name}.{k}', v)
 
   for f in dataclasses.fields(cfg):

@@ -7,9 +7,9 @@ Each method declares, in one `MethodSpec` registered here:
   command line as `--config.optimizer.scape.density=0.01`;
 * `build`: how its optax transformation is made from the common optimizer
   keys, its section and the learning-rate schedule, and which static keyword
-  arguments `tx.update` takes at each step (SCAPE's density level; later
-  Radius's dense/sparse step and DiLoCo's inner/outer step). Each distinct
-  value is one compiled program;
+  arguments `tx.update` takes at each step (SCAPE's density level, Radius's
+  dense/sparse/resample step kind; later DiLoCo's inner/outer step). Each
+  distinct value is one compiled program;
 * `supports_fsdp` and `per_replica`: the parameter layouts it runs on
   (`scape_jax.sharding.Layout`);
 * `stats`: what it reports in the metrics besides loss and gradient norm.
@@ -20,23 +20,29 @@ docs/design.md, "Adding a method".
 """
 
 import dataclasses
+import fractions
+import math
 from typing import Any, Callable, NamedTuple, Optional
 
 import optax
 
+from scape_jax import outer as outer_lib
 from scape_jax.comm import collectives
 from scape_jax.optim import _adams as adams_lib
+from scape_jax.optim import _demo as demo_lib
+from scape_jax.optim import _radius as radius_lib
 from scape_jax.optim import _scape as scape_lib
-from scape_jax.sharding.mesh import DATA, FSDP
+from scape_jax.comm.axes import DATA, FSDP_AXES, REPLICA
 
 DECAYS = ('cosine', 'constant')  # Learning-rate schedules after warmup.
 
 
 @dataclasses.dataclass(frozen=True)
 class Context:
-  """What building a method needs to know about the layout."""
-  axis_name: Optional[str] = DATA  # the data-parallel exchange axis
-  fsdp: bool = False  # parameters and gradients split over 'fsdp'
+  """What building a method needs to know about the layout and the run."""
+  axis_name: Any = DATA  # the data-parallel exchange axis (or axes)
+  fsdp: bool = False  # parameters and gradients split over the fsdp group
+  total_steps: int = 1  # steps in the run (schedules in fractions of it)
 
 
 class Built(NamedTuple):
@@ -44,6 +50,9 @@ class Built(NamedTuple):
   tx: optax.GradientTransformation
   # step (updates completed) -> static keyword arguments of `tx.update`.
   static_args: Optional[Callable[[int], dict]] = None
+  # (abstract) opt_state -> its memory kind per leaf ('device',
+  # 'pinned_host'); None: every leaf in device memory.
+  memory_kinds: Optional[Callable[[Any], Any]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +63,9 @@ class MethodSpec:
   section: Optional[type] = None
   supports_fsdp: bool = False
   per_replica: bool = False
+  # Its exchange is the dense mean of the gradients, over any mesh axes
+  # (Pier's lazy start runs it over 'replica' and 'data' together).
+  dense: bool = False
   stats: Callable[[Any], dict] = lambda opt_state: {}
   summary: str = ''  # one line for `--help`-style listings
 
@@ -87,6 +99,7 @@ class Method:
   tx: optax.GradientTransformation
   learning_rate: optax.Schedule
   static_args: Optional[Callable[[int], dict]] = None
+  memory_kinds: Optional[Callable[[Any], Any]] = None  # see `Built`
 
   @property
   def name(self) -> str:
@@ -117,8 +130,9 @@ def build(cfg, total_steps: int, ctx: Context = Context()) -> Method:
   spec = get(cfg.name)
   section = getattr(cfg, spec.name) if spec.section else None
   lr = learning_rate(cfg, total_steps)
-  built = spec.build(cfg, section, lr, ctx)
-  return Method(spec, built.tx, lr, built.static_args)
+  built = spec.build(cfg, section, lr,
+                     dataclasses.replace(ctx, total_steps=total_steps))
+  return Method(spec, built.tx, lr, built.static_args, built.memory_kinds)
 
 
 # ----------------------------------------------------------------------------
@@ -129,7 +143,7 @@ def _clip(cfg, ctx: Context) -> list:
   if cfg.clip_norm <= 0:
     return []
   return [collectives.clip_by_global_norm(cfg.clip_norm,
-                                          FSDP if ctx.fsdp else None)]
+                                          FSDP_AXES if ctx.fsdp else None)]
 
 
 def _build_adamw(cfg, section, lr, ctx) -> Built:
@@ -148,9 +162,9 @@ def _build_adams(cfg, section, lr, ctx) -> Built:
                       weight_decay=cfg.weight_decay)))
 
 
-register(MethodSpec('adamw', _build_adamw, supports_fsdp=True,
+register(MethodSpec('adamw', _build_adamw, supports_fsdp=True, dense=True,
                     summary='dense AdamW (optax), the reference baseline'))
-register(MethodSpec('adams', _build_adams, supports_fsdp=True,
+register(MethodSpec('adams', _build_adams, supports_fsdp=True, dense=True,
                     summary='dense AdamS: Adam normalised by its momentum'))
 
 
@@ -182,3 +196,170 @@ register(MethodSpec('scape', _build_scape, section=ScapeConfig,
                     stats=scape_lib.scape_stats,
                     summary='AdamS with a top-k sparsified, error-fed first '
                     'moment (SCAPE Algorithm 1)'))
+
+
+# ----------------------------------------------------------------------------
+# Radius.
+
+
+@dataclasses.dataclass(slots=True)
+class RadiusConfig:
+  # Fraction of each compressed leaf sent on sparse steps, in (0, 1].
+  density: float = radius_lib.DENSITY
+  # T: steps between resamples of the shared masks, >= 1.
+  interval: int = radius_lib.INTERVAL
+  # In [0, 1]: steps before threshold = ceil(dense_fraction * steps) are dense.
+  dense_fraction: float = radius_lib.DENSE_FRACTION
+  # r >= 0: each selected index i is widened to [i - r, i + r].
+  index_radius: int = 0
+
+
+def _radius_threshold(dense_fraction: float, total_steps: int) -> int:
+  if not 0.0 <= dense_fraction <= 1.0:
+    raise ValueError(f'dense_fraction={dense_fraction!r} must be in [0, 1].')
+  return math.ceil(fractions.Fraction(repr(float(dense_fraction))) *
+                   total_steps)
+
+
+def _build_radius(cfg, section: RadiusConfig, lr, ctx) -> Built:
+  schedule = radius_lib.RadiusSchedule(
+      section.interval,
+      _radius_threshold(section.dense_fraction, ctx.total_steps))
+  tx = radius_lib.radius(
+      lr, density=section.density, interval=schedule.interval,
+      threshold=schedule.threshold, index_radius=section.index_radius,
+      b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+      clip_norm=cfg.clip_norm if cfg.clip_norm > 0 else None,
+      axis_name=ctx.axis_name)
+  return Built(tx, lambda step: {'step_kind': schedule.kind(step)})
+
+
+register(MethodSpec('radius', _build_radius, section=RadiusConfig,
+                    stats=radius_lib.radius_stats,
+                    summary='AdamW on a top-k sparsified all-reduce with '
+                    'masks shared by every worker (Radius)'))
+
+
+# ----------------------------------------------------------------------------
+# DeMo.
+
+
+@dataclasses.dataclass(slots=True)
+class DemoConfig:
+  beta: float = demo_lib.BETA  # Momentum decay in [0, 1): m <- beta m + g.
+  # Chunk side per dimension; each uses its largest divisor <= chunk.
+  chunk: int = demo_lib.CHUNK
+  topk: int = demo_lib.TOPK  # DCT coefficients sent per chunk, [1, chunk**2].
+
+
+def _build_demo(cfg, section: DemoConfig, lr, ctx) -> Built:
+  return Built(demo_lib.demo(
+      lr, beta=section.beta, chunk=section.chunk, topk=section.topk,
+      weight_decay=cfg.weight_decay, axis_name=ctx.axis_name))
+
+
+register(MethodSpec('demo', _build_demo, section=DemoConfig,
+                    stats=demo_lib.demo_stats,
+                    summary='decoupled per-worker momentum synchronized '
+                    'through top-k DCT coefficients, sign update (DeMo)'))
+
+
+# ----------------------------------------------------------------------------
+# Outer methods: an inner method per replica group, synchronised every r
+# steps (DiLoCo, Pier). The inner method is any method above, set up by the
+# common keys and its own section.
+
+
+@dataclasses.dataclass(slots=True)
+class DiLoCoConfig:
+  inner: str = 'adamw'  # The inner method: a registered name, not an outer.
+  sync_every: int = 50  # r: steps between synchronisations, >= 1.
+  outer_lr: float = 0.7  # Outer learning rate (DiLoCo's 0.7).
+  outer_momentum: float = 0.9  # Outer Nesterov momentum, in [0, 1).
+  offload: bool = False  # Old model and outer momentum in pinned host memory.
+
+
+@dataclasses.dataclass(slots=True)
+class PierConfig:
+  inner: str = 'adamw'  # The inner method; dense (adamw, adams) if lazy.
+  sync_every: int = 50  # r: steps between synchronisations, >= 1.
+  lazy_start: float = 0.1  # p in [0, 1): data-parallel over all; 0: none.
+  momentum_warmup: bool = True  # M <- 0.9 M + delta every r lazy steps.
+  momentum_decay: bool = True  # mu 0.99, 0.95, 0.9; off: outer_momentum.
+  outer_lr_schedule: bool = True  # 0 -> 1, 1.1, 0.9; off: outer_lr.
+  outer_momentum: float = 0.9  # Outer momentum when momentum_decay is off.
+  outer_lr: float = 0.7  # Outer lr when outer_lr_schedule is off.
+  offload: bool = True  # Old model and outer momentum in pinned host memory.
+
+
+def _inner_method(cfg, section, lr, ctx, lazy: bool) -> tuple:
+  """(inner Built, lazy-start Built or None) of an outer method's section."""
+  spec = get(section.inner)
+  if spec.per_replica:
+    raise ValueError(
+        f'inner={section.inner!r} is an outer method; allowed inner methods: '
+        f'{", ".join(n for n, s in REGISTRY.items() if not s.per_replica)}.')
+  if lazy and not spec.dense:
+    raise ValueError(
+        f'inner={section.inner!r}: the lazy start runs the inner method '
+        'data-parallel over all workers, which needs a dense one ('
+        f'{", ".join(n for n, s in REGISTRY.items() if s.dense)}); or set '
+        'lazy_start=0.')
+  own = getattr(cfg, spec.name) if spec.section else None
+  inner = spec.build(cfg, own, lr, ctx)
+  lazy_built = spec.build(cfg, own, lr, dataclasses.replace(
+      ctx, axis_name=(REPLICA, ctx.axis_name))) if lazy else None
+  return inner, lazy_built
+
+
+def _outer_built(tx, schedule, inner: Built, offload: bool) -> Built:
+  def static_args(step: int) -> dict:
+    extra = inner.static_args(step) if inner.static_args else {}
+    return dict(extra, phase=schedule.phase(step))
+
+  return Built(tx, static_args,
+               outer_lib.offload_memory_kinds if offload else None)
+
+
+def _build_diloco(cfg, section: DiLoCoConfig, lr, ctx) -> Built:
+  inner, _ = _inner_method(cfg, section, lr, ctx, lazy=False)
+  tx = outer_lib.diloco(inner.tx, section.sync_every, section.outer_lr,
+                        section.outer_momentum)
+  return _outer_built(tx, outer_lib.SyncSchedule(section.sync_every), inner,
+                      section.offload)
+
+
+def _build_pier(cfg, section: PierConfig, lr, ctx) -> Built:
+  steps = ctx.total_steps
+  lazy_steps = outer_lib.lazy_start_steps(section.lazy_start, steps)
+  inner, lazy = _inner_method(cfg, section, lr, ctx, lazy=lazy_steps > 0)
+  tx = outer_lib.pier(
+      inner.tx, lazy.tx if lazy else None, steps, section.sync_every,
+      lazy_start=section.lazy_start,
+      momentum_warmup=section.momentum_warmup,
+      outer_momentum=(None if section.momentum_decay
+                      else section.outer_momentum),
+      outer_lr=None if section.outer_lr_schedule else section.outer_lr)
+  schedule = outer_lib.sync_schedule(steps, section.sync_every,
+                                     section.lazy_start,
+                                     section.momentum_warmup)
+  return _outer_built(tx, schedule, inner, section.offload)
+
+
+def _inner_stats(opt_state) -> dict:
+  """The statistics of the inner method (whichever it is)."""
+  stats = {}
+  for spec in REGISTRY.values():
+    if not spec.per_replica:
+      stats.update(spec.stats(opt_state))
+  return stats
+
+
+register(MethodSpec('diloco', _build_diloco, section=DiLoCoConfig,
+                    per_replica=True, stats=_inner_stats,
+                    summary='DiLoCo: an inner method per replica group, an '
+                    'outer Nesterov step every sync_every steps'))
+register(MethodSpec('pier', _build_pier, section=PierConfig,
+                    per_replica=True, stats=_inner_stats,
+                    summary='Pier: DiLoCo with a lazy start, momentum warmup '
+                    'and decay, an outer lr schedule and host offload'))

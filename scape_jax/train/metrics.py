@@ -13,7 +13,7 @@ import json
 import math
 import os
 import sys
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import matplotlib
 matplotlib.use('Agg')
@@ -33,11 +33,13 @@ class MetricsLogger:
   """Appends metrics to `out_dir/metrics.jsonl` and TensorBoard `out_dir/tb`.
 
   Create it with `enabled=False` on processes other than 0: it then writes
-  nothing and creates no files.
+  nothing and creates no files. A run that resumes at step `start` passes
+  `start`: the records of later steps, written before the run was cut off and
+  about to be written again, are dropped first (TensorBoard: `purge_step`).
   """
 
   def __init__(self, out_dir: str, *, enabled: bool = True,
-               tensorboard: bool = True):
+               tensorboard: bool = True, start: Optional[int] = None):
     self.out_dir = out_dir
     self.enabled = enabled
     self.path = os.path.join(out_dir, 'metrics.jsonl')
@@ -46,10 +48,14 @@ class MetricsLogger:
     if not enabled:
       return
     os.makedirs(out_dir, exist_ok=True)
+    if start is not None and os.path.exists(self.path):
+      _truncate_after(self.path, start)
     self._file = open(self.path, 'a', encoding='utf-8')
     if tensorboard:
       import tensorboardX  # pylint: disable=g-import-not-at-top
-      self._writer = tensorboardX.SummaryWriter(os.path.join(out_dir, 'tb'))
+      self._writer = tensorboardX.SummaryWriter(
+          os.path.join(out_dir, 'tb'),
+          purge_step=None if start is None else start + 1)
 
   def log(self, step: int, metrics: Mapping[str, Any],
           prefix: str = 'train') -> None:
@@ -66,7 +72,8 @@ class MetricsLogger:
     self._file.flush()
     if self._writer is not None:
       for key, value in values.items():
-        self._writer.add_scalar(f'{prefix}/{key}', value, int(step))
+        if math.isfinite(value):  # the JSONL line keeps NaN and inf
+          self._writer.add_scalar(f'{prefix}/{key}', value, int(step))
       self._writer.flush()
 
   def close(self) -> None:
@@ -108,6 +115,23 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
     records.append({k: (v if k == 'split' else _decode_non_finite(v))
                     for k, v in record.items()})
   return records
+
+
+def _truncate_after(path: str, step: int) -> None:
+  """Keeps the lines of `path` whose step is <= `step` (atomic rewrite)."""
+  with open(path, encoding='utf-8') as f:
+    lines = f.read().split('\n')
+  kept = []
+  for line in lines:
+    try:
+      if line.strip() and json.loads(line)['step'] <= step:
+        kept.append(line + '\n')
+    except (json.JSONDecodeError, KeyError, TypeError):
+      pass  # a half-written line of the run that was cut off
+  tmp = f'{path}.tmp'
+  with open(tmp, 'w', encoding='utf-8') as f:
+    f.writelines(kept)
+  os.replace(tmp, path)
 
 
 def plot_loss(metrics_jsonl: str, png_path: str, *, log_y: bool = False,

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 
 import models
 from scape_jax import analysis
+from scape_jax import hf
 from scape_jax import sharding
 from scape_jax.train import methods
 from scape_jax.train import step as step_lib
@@ -31,11 +32,14 @@ class Program:
   layout: sharding.Layout
   model_cfg: Any
   method: methods.Method
-  apply_fn: Any  # (params, tokens) -> logits
+  apply_fn: Any  # (params, tokens, param_hook=None) -> logits
   init_params: Any  # () -> one group's params (pure dict)
   abstract_params: Any  # global view, with shardings
   abstract_opt: Any  # global view, with shardings
-  opt_specs: Any  # one group's PartitionSpecs of the optimizer state
+  opt_specs: Any  # one group's PartitionSpecs of the optimizer state (of
+  # the trainable parameters)
+  load_params: Any = None  # () -> host params of model.init_from, or None
+  opt_memory_kinds: Any = None  # their memory kinds; None: device memory
 
   @property
   def mesh(self) -> jax.sharding.Mesh:
@@ -57,37 +61,49 @@ class Program:
 
   def state_shardings(self) -> tuple:
     """(params, opt_state) shardings of the global view."""
-    return (self.layout.shardings(self.layout.param_specs),
-            self.layout.shardings(self.opt_specs))
+    return (self.layout.param_shardings(),
+            self.layout.shardings(self.opt_specs, self.opt_memory_kinds))
 
   def init_state(self) -> tuple:
     """(params, opt_state) of a new run, placed by `state_shardings`."""
     p_shard, o_shard = self.state_shardings()
     replicas = self.layout.replicas if self.layout.per_replica else None
 
-    def params_fn():
-      params = self.init_params()
+    def params_fn(loaded):
+      params = self.init_params() if loaded is None else loaded
       if replicas is None:
         return params
       return jax.tree.map(
           lambda x: jnp.broadcast_to(x, (replicas,) + x.shape), params)
 
-    params = jax.jit(params_fn, out_shardings=p_shard)()
+    loaded = self.load_params() if self.load_params else None
+    params = jax.jit(params_fn, out_shardings=p_shard)(loaded)
     init = self.method.tx.init
     if replicas is not None:
       init = jax.vmap(init)
     with jax.set_mesh(self.mesh):
-      opt_state = jax.jit(init, out_shardings=o_shard)(params)
+      opt_state = jax.jit(init, out_shardings=o_shard)(
+          self.layout.split(params)[0])
     return params, opt_state
 
-  def compile_step(self, step: int):
-    """The compiled train step for the static arguments in force at `step`."""
+  def trace_step(self, step: int):
+    """The train step for the static arguments in force at `step`, traced
+    from abstract shapes (`.jaxpr`, `.lower()`)."""
     fn = step_lib.make_train_step(self.apply_fn, self.method.tx, self.layout,
                                   self.opt_specs,
                                   self.method.update_kwargs(step),
                                   self.cfg.data.micro_batches)
-    return fn.lower(self.abstract_params, self.abstract_opt,
-                    self.abstract_batch()).compile()
+    return fn.trace(self.abstract_params, self.abstract_opt,
+                    self.abstract_batch())
+
+  def compile_step(self, step: int, traced=None):
+    """The compiled train step for the static arguments in force at `step`
+    (from `traced`, its `trace_step`, if given)."""
+    options = None
+    if self.layout.per_unit:
+      options = sharding.fcdp.compiler_options(self.mesh.devices.flat[0])
+    traced = traced or self.trace_step(step)
+    return traced.lower().compile(compiler_options=options)
 
 
 def _check_batch(cfg: Config, layout: sharding.Layout) -> None:
@@ -101,40 +117,113 @@ def _check_batch(cfg: Config, layout: sharding.Layout) -> None:
         f'data.micro_batches={cfg.data.micro_batches}.')
 
 
+def model_name(cfg: Config) -> str:
+  """`model.init_from` if set, else `model.preset`."""
+  return cfg.model.init_from or cfg.model.preset
+
+
+def _lora(cfg: Config) -> Optional[models.LoraSpec]:
+  lora = cfg.model.lora
+  if not lora.targets:
+    return None
+  return models.LoraSpec(lora.rank, lora.alpha, lora.targets)
+
+
+def model_config(cfg: Config) -> models.Config:
+  """The model's shape: `model.init_from`'s config.json, else the preset."""
+  m = cfg.model
+  overrides = dict(remat=m.remat, attn_impl=m.attn_impl, lora=_lora(cfg))
+  if m.init_from:
+    try:
+      return hf.from_hf_config(hf.read_config(m.init_from), **overrides)
+    except (OSError, ValueError) as e:
+      raise ConfigError(f'model.init_from={m.init_from!r}: {e}') from e
+  if m.preset not in models.PRESETS:
+    raise ConfigError(f'model.preset: unknown model {m.preset!r}; '
+                      f'allowed: {", ".join(sorted(models.PRESETS))}')
+  try:
+    return models.get_config(m.preset, **overrides)
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
+
+
 def _model(cfg: Config):
   """(model config, create, graphdef, abstract nnx state)."""
-  try:
-    model_cfg = models.get_config(cfg.model.preset, remat=cfg.model.remat,
-                                  attn_impl=cfg.model.attn_impl)
-  except ValueError as e:
-    raise ConfigError(f'model.preset: {e}') from e
+  model_cfg = model_config(cfg)
   if cfg.data.seq_len > model_cfg.max_seq_len:
     raise ConfigError(
         f'data.seq_len={cfg.data.seq_len} exceeds the max_seq_len '
-        f'{model_cfg.max_seq_len} of model {cfg.model.preset!r}.')
+        f'{model_cfg.max_seq_len} of model {model_name(cfg)!r}.')
   dtype = jnp.dtype(cfg.model.dtype)
   param_dtype = jnp.dtype(cfg.model.param_dtype)
 
   def create():
-    return models.build(model_cfg, rngs=nnx.Rngs(cfg.seed), dtype=dtype,
+    return models.build(model_cfg, rngs=models.rngs(cfg.seed), dtype=dtype,
                         param_dtype=param_dtype)
 
   graphdef, abstract_state = nnx.split(nnx.eval_shape(create), nnx.Param)
   return model_cfg, create, graphdef, abstract_state
 
 
-def _layout(cfg: Config, spec: methods.MethodSpec, mesh, abstract_state,
-            abstract_params) -> sharding.Layout:
-  fsdp = sharding.mesh.axis_size(mesh, sharding.FSDP)
+def param_shapes(cfg: Config) -> tuple:
+  """(model config, one model copy's params as ShapeDtypeStructs)."""
+  model_cfg, _, _, abstract_state = _model(cfg)
+  return model_cfg, nnx.to_pure_dict(abstract_state)
+
+
+def _hf_loader(cfg: Config, model_cfg, group_params):
+  """() -> the params of `model.init_from` (host arrays), or None."""
+  if not cfg.model.init_from:
+    return None
+
+  def load():
+    try:
+      return hf.from_hf_state(model_cfg, hf.read_safetensors(
+          cfg.model.init_from), group_params, jnp.dtype(cfg.model.param_dtype))
+    except (ImportError, OSError, ValueError) as e:
+      raise ConfigError(f'model.init_from={cfg.model.init_from!r}: {e}') from e
+
+  return load
+
+
+def _trainable(cfg: Config, abstract_state):
+  """With LoRA, a tree of bools: True for the adapters; else None."""
+  if not cfg.model.lora.targets:
+    return None
+  return nnx.to_pure_dict(jax.tree.map(
+      lambda v: isinstance(v, nnx.LoRAParam), abstract_state,
+      is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def _layout(cfg: Config, spec: methods.MethodSpec, mesh, devices,
+            abstract_state, abstract_params) -> sharding.Layout:
+  fsdp = sharding.mesh.fsdp_size(mesh)
   if fsdp > 1 and not spec.supports_fsdp:
     allowed = [n for n, s in methods.REGISTRY.items() if s.supports_fsdp]
     raise ConfigError(f'mesh.fsdp={fsdp}: optimizer.name={spec.name!r} does '
                       f'not run on the fsdp layout; methods that do: '
                       f'{", ".join(allowed)}.')
   axes = nnx.to_pure_dict(models.logical_axes(abstract_state))
+  if spec.per_replica and mesh.size != len(devices):
+    shape = ' x '.join(f'mesh.{k}={v}' for k, v in mesh.shape.items())
+    raise ConfigError(
+        f'{shape} = {mesh.size} devices, but {len(devices)} are in use: '
+        f'optimizer.name={spec.name!r} splits every device into replica '
+        'groups; set mesh.replica x mesh.data (x mesh.fsdp) to the device '
+        'count, or mesh.data=-1.')
+  options = sharding.FcdpOptions(**dataclasses.asdict(cfg.fcdp))
+  trainable = _trainable(cfg, abstract_state)
   try:
-    specs = sharding.param_partition_specs(abstract_params, axes, fsdp=fsdp)
-    return sharding.Layout(mesh, specs, per_replica=spec.per_replica)
+    specs = sharding.param_partition_specs(abstract_params, axes, fsdp=fsdp,
+                                           nodes=cfg.mesh.nodes)
+    if options.lora_aware:  # frozen weights kept gathered (on host)
+      specs = jax.tree.map(
+          lambda s, t: s if t else sharding.fcdp.cache_spec(
+              s, options.hierarchical), specs, trainable)
+    if options.uses_host:
+      sharding.fcdp.check_memory_kinds(mesh.devices.flat)
+    return sharding.Layout(mesh, specs, per_replica=spec.per_replica,
+                           fcdp=options, trainable=trainable)
   except ValueError as e:
     raise ConfigError(str(e)) from e
 
@@ -152,36 +241,46 @@ def build_program(cfg: Config, devices=None) -> Program:
   m = cfg.mesh
   try:
     mesh = sharding.make_mesh(replica=m.replica, data=m.data, fsdp=m.fsdp,
-                              tensor=m.tensor, devices=devices)
+                              tensor=m.tensor, nodes=m.nodes,
+                              devices=devices)
   except ValueError as e:
     raise ConfigError(str(e)) from e
   model_cfg, create, graphdef, abstract_state = _model(cfg)
 
-  def apply_fn(params, tokens):
+  def apply_fn(params, tokens, param_hook=None):
     state = jax.tree.map(lambda x: x, abstract_state)
     nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(graphdef, state)(tokens)
+    return nnx.merge(graphdef, state)(tokens, param_hook=param_hook)
 
   def init_params():
     return nnx.to_pure_dict(nnx.state(create(), nnx.Param))
 
   group_params = nnx.to_pure_dict(abstract_state)
   spec = methods.get(cfg.optimizer.name)
-  layout = _layout(cfg, spec, mesh, abstract_state, group_params)
+  layout = _layout(cfg, spec, mesh, devices or jax.devices(), abstract_state,
+                   group_params)
   _check_batch(cfg, layout)
   method = methods.build(cfg.optimizer, cfg.steps,
                          methods.Context(sharding.DATA, fsdp=layout.fsdp > 1))
+  trainable = layout.split(group_params)[0]
   with jax.set_mesh(mesh):
-    opt_shapes = jax.eval_shape(method.tx.init, group_params)
+    opt_shapes = jax.eval_shape(method.tx.init, trainable)
   opt_specs = sharding.state_partition_specs(
-      opt_shapes, sharding.DATA, params=group_params,
-      param_specs=layout.param_specs)
+      opt_shapes, sharding.DATA, params=trainable,
+      param_specs=layout.trainable_specs())
+  kinds = method.memory_kinds(opt_shapes) if method.memory_kinds else None
+  try:
+    o_shard = layout.shardings(opt_specs, kinds)
+  except ValueError as e:
+    raise ConfigError(f'optimizer.{spec.name}.offload: {e} Set '
+                      f'optimizer.{spec.name}.offload=False to keep the '
+                      'state in device memory.') from e
   leading = layout.replicas if layout.per_replica else None
-  p_shard, o_shard = (layout.shardings(layout.param_specs),
-                      layout.shardings(opt_specs))
+  p_shard = layout.param_shardings()
   return Program(cfg, layout, model_cfg, method, apply_fn, init_params,
                  _abstract(group_params, p_shard, leading),
-                 _abstract(opt_shapes, o_shard, leading), opt_specs)
+                 _abstract(opt_shapes, o_shard, leading), opt_specs,
+                 _hf_loader(cfg, model_cfg, group_params), kinds)
 
 
 def param_count(program: Program) -> int:
@@ -194,11 +293,12 @@ def param_count(program: Program) -> int:
 def dry_run(cfg: Config, devices=None) -> dict:
   """Compiles the steady-state train step from abstract shapes only."""
   program = build_program(cfg, devices)
-  compiled = program.compile_step(cfg.steps)
+  traced = program.trace_step(cfg.steps)
+  compiled = program.compile_step(cfg.steps, traced)
   mem = compiled.memory_analysis()
   cols = analysis.collectives_from_hlo(compiled.as_text())
   report = {
-      'preset': cfg.model.preset,
+      'preset': model_name(cfg),
       'optimizer': cfg.optimizer.name,
       'params': param_count(program),
       'workers': program.n_workers,
@@ -207,18 +307,35 @@ def dry_run(cfg: Config, devices=None) -> dict:
       'temp_bytes': mem.temp_size_in_bytes,
       'alias_bytes': mem.alias_size_in_bytes,
       'comm_bytes_per_step': analysis.bytes_sent(cols),
+      'host_params_bytes': analysis.host_argument_bytes(
+          program.abstract_params),
+      'host_offload_bytes': analysis.offloaded_bytes(traced.jaxpr),
+      'host_compiled_bytes': (
+          mem.host_argument_size_in_bytes + mem.host_output_size_in_bytes +
+          mem.host_temp_size_in_bytes - mem.host_alias_size_in_bytes),
   }
   report['device_bytes'] = (report['argument_bytes'] + report['output_bytes'] +
                             report['temp_bytes'] - report['alias_bytes'])
+  report['host_bytes'] = (report['host_params_bytes'] +
+                          report['host_offload_bytes'])
   gib = 2.0**30
   shape = ' '.join(f'{k}={v}' for k, v in program.mesh.shape.items())
-  print(f'model {cfg.model.preset}: {report["params"]:,} parameters; '
+  print(f'model {model_name(cfg)}: {report["params"]:,} parameters; '
         f'optimizer {cfg.optimizer.name}; mesh {shape}')
   print(f'per-device memory (compiled step): {report["device_bytes"] / gib:.2f}'
         f' GiB = arguments {report["argument_bytes"] / gib:.2f} + outputs '
         f'{report["output_bytes"] / gib:.2f} + temporaries '
         f'{report["temp_bytes"] / gib:.2f} - aliased '
         f'{report["alias_bytes"] / gib:.2f}')
+  if report['host_bytes'] or report['host_compiled_bytes']:
+    host = report['host_bytes'] / gib
+    print(f'per-device host memory (FCDP cache): {host:.2f} GiB = frozen '
+          f'parameters kept on host '
+          f'{report["host_params_bytes"] / gib:.2f} + values the step '
+          f'offloads {report["host_offload_bytes"] / gib:.2f}; the compiled '
+          f'host fields say {report["host_compiled_bytes"] / gib:.2f} GiB (0 '
+          'on the CPU, whose compiler lowers host copies to nothing and '
+          'counts these bytes as device memory above)')
   print(analysis.format_table(cols))
   return report
 

@@ -3,8 +3,14 @@
 The whole step runs inside `jax.shard_map`. Each worker computes its local
 gradient on its part of the batch and hands it to the method's optax
 transformation, which owns the data-parallel exchange. The `Layout` says
-where parameters live: replicated, split over 'fsdp', or one copy per replica
-group (`scape_jax.sharding.layout`).
+where parameters live: replicated, split over the fsdp group (gathered per
+unit, with FCDP's switches), or one copy per replica group, and which are
+frozen (`scape_jax.sharding.layout`).
+
+A step whose loss, gradient norm or updated parameters are not finite on any
+worker is skipped: it returns the incoming parameters and optimizer state
+(every method's, per-worker state included) and reports `skipped = 1`. The
+decision comes out of the metrics' `pmean`, so it is the same on every worker.
 """
 
 from typing import Any, Callable, Optional, Sequence
@@ -16,7 +22,7 @@ from jax.sharding import NamedSharding
 
 from scape_jax.comm.collectives import global_norm, varying
 from scape_jax.sharding.layout import Layout
-from scape_jax.sharding.mesh import DATA, FSDP
+from scape_jax.sharding.mesh import DATA, FSDP_AXES
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -58,6 +64,23 @@ def local_value_and_grad(loss_fn, params, batch, micro_batches: int = 1,
   return jax.tree.map(lambda x: x / micro_batches, (loss, grads))
 
 
+def _non_finite_count(tree) -> jax.Array:
+  """Non-finite entries of this worker's floating leaves of `tree` (fp32)."""
+  counts = [jnp.sum(~jnp.isfinite(x), dtype=jnp.float32)
+            for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return sum(counts, jnp.zeros([], jnp.float32))
+
+
+def keep_if(ok: jax.Array, new, old):
+  """`new` where the scalar `ok` holds, else `old`, leaf by leaf.
+
+  An elementwise select, not a branch: the step stays one program and the
+  donated buffers are still reused (`tests/test_step.py` checks both).
+  """
+  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
 def make_train_step(apply_fn: Callable[[Any, jax.Array], jax.Array],
                     tx: optax.GradientTransformation, layout: Layout,
                     opt_specs, update_kwargs: Optional[dict] = None,
@@ -75,25 +98,35 @@ def make_train_step(apply_fn: Callable[[Any, jax.Array], jax.Array],
       each worker's batch before the one optimizer update.
 
   Returns:
-    A jitted function; params and optimizer state are donated.
+    A jitted function; params and optimizer state are donated. Its metrics
+    are `loss`, `grad_norm` and `skipped` (1.0 when the update was not
+    applied because something was not finite, else 0.0).
   """
   update_kwargs = update_kwargs or {}
-
-  def loss_fn(p, batch):
-    logits = apply_fn(layout.gather(p), batch['inputs'])
-    return cross_entropy(logits, batch['targets'])
+  batch_axes = layout.batch_axes
 
   def local_step(params, opt_state, batch):
     params, opt_state = layout.enter(params), layout.enter(opt_state)
+    params, frozen = layout.split(params)  # frozen: not differentiated
+
+    def loss_fn(p, batch):
+      logits = layout.apply(apply_fn, layout.merge(p, frozen), batch['inputs'])
+      return cross_entropy(logits, batch['targets'])
+
     loss, grads = local_value_and_grad(loss_fn, params, batch, micro_batches,
-                                       layout.batch_axes)
+                                       batch_axes)
     grads = layout.finish_gradients(grads)
-    updates, opt_state = tx.update(grads, opt_state, params, **update_kwargs)
-    params = optax.apply_updates(params, updates)
-    grad_sq = global_norm(grads, FSDP, squared=True)  # shards combined
-    local_stats = jnp.stack([loss, grad_sq])
-    stats = jax.lax.pmean(local_stats, layout.batch_axes)
-    metrics = {'loss': stats[0], 'grad_norm': jnp.sqrt(stats[1])}
+    updates, new_state = tx.update(grads, opt_state, params, **update_kwargs)
+    new_params = optax.apply_updates(params, updates)
+    grad_sq = global_norm(grads, FSDP_AXES, squared=True)  # shards combined
+    local_stats = jnp.stack([varying(x, batch_axes) for x in (
+        loss, grad_sq, _non_finite_count(new_params))])
+    stats = jax.lax.pmean(local_stats, batch_axes)  # the same on every worker
+    ok = jnp.isfinite(stats[0]) & jnp.isfinite(stats[1]) & (stats[2] == 0)
+    params = layout.merge(keep_if(ok, new_params, params), frozen)
+    opt_state = keep_if(ok, new_state, opt_state)
+    metrics = {'loss': stats[0], 'grad_norm': jnp.sqrt(stats[1]),
+               'skipped': 1 - ok.astype(jnp.float32)}
     return layout.leave(params), layout.leave(opt_state), metrics
 
   param_specs = layout.global_specs(layout.param_specs)
@@ -114,5 +147,5 @@ def make_eval_step(apply_fn, layout: Layout):
     return cross_entropy(logits, batch['targets'])
 
   return jax.jit(eval_step, in_shardings=(
-      layout.shardings(layout.param_specs),
+      layout.param_shardings(),
       NamedSharding(layout.mesh, layout.batch_spec())))

@@ -1,7 +1,11 @@
-"""The train loop. It delegates: setup to `program` and `_DataFeed`, saving
-to `Checkpointer`, logging to `_Reporter`, compiling to `StepPrograms`.
+"""The train loop. It delegates: setup to `program` and `_DataFeed`, resuming
+to `resume`, saving to `_Saver`, logging to `_Reporter`, compiling to
+`StepPrograms`, the steps in flight and the non-finite watch to
+`guard.InFlightSteps`, signals to `preemption.StopSignals`.
 
 `train(cfg)` runs (or resumes) the run in `cfg.out_dir` and returns a summary.
+It raises `guard.DivergedError` after `cfg.max_bad_steps` non-finite steps in
+a row and `preemption.Interrupted` after saving on SIGTERM/SIGINT.
 """
 
 import math
@@ -15,9 +19,13 @@ import numpy as np
 
 from scape_jax import analysis
 from scape_jax.train import config as config_lib
+from scape_jax.train import guard
+from scape_jax.train import preemption
+from scape_jax.train import resume
 from scape_jax.train import step as step_lib
 from scape_jax.train.checkpoint import Checkpointer
 from scape_jax.train.metrics import MetricsLogger, Progress, plot_loss
+from scape_jax.train import program as program_lib
 from scape_jax.train.program import Program, build_program
 
 
@@ -69,15 +77,20 @@ class _DataFeed:
     if meta['vocab_size'] > program.model_cfg.vocab_size:
       raise config_lib.ConfigError(
           f'the tokenizer has {meta["vocab_size"]} tokens but model '
-          f'{cfg.model.preset!r} only {program.model_cfg.vocab_size}.')
+          f'{program_lib.model_name(cfg)!r} only '
+          f'{program.model_cfg.vocab_size}.')
     d, rank, ranks = cfg.data, jax.process_index(), jax.process_count()
-    self.iterator = pipeline.train_iterator(
-        data_dir, seq_len=d.seq_len, global_batch_size=d.batch_size,
-        seed=cfg.seed, process_index=rank, process_count=ranks)
-    self.eval_batches = [self._global(b) for b in pipeline.eval_batches(
-        data_dir, seq_len=d.seq_len, batch_size=d.batch_size,
-        num_batches=cfg.eval_batches, process_index=rank,
-        process_count=ranks)]
+    try:
+      self.iterator = pipeline.train_iterator(
+          data_dir, seq_len=d.seq_len, global_batch_size=d.batch_size,
+          seed=cfg.seed, process_index=rank, process_count=ranks)
+      local_eval = pipeline.eval_batches(
+          data_dir, seq_len=d.seq_len, batch_size=d.batch_size,
+          num_batches=cfg.eval_batches, process_index=rank,
+          process_count=ranks)
+    except ValueError as e:  # a corpus too small for these settings
+      raise prepare_lib.CorpusError(f'data.corpus {d.corpus!r}: {e}') from e
+    self.eval_batches = [self._global(b) for b in local_eval]
 
   def _global(self, local: dict) -> dict:
     sharding = self._program.batch_sharding()
@@ -125,11 +138,13 @@ class _Reporter:
   def __init__(self, cfg: config_lib.Config, program: Program, start: int):
     self._cfg, self._program = cfg, program
     self.leader = jax.process_index() == 0
-    self.logger = MetricsLogger(cfg.out_dir, enabled=self.leader)
+    self.logger = MetricsLogger(cfg.out_dir, enabled=self.leader,
+                                start=start)
     self._bar = Progress(cfg.steps, initial=start) if self.leader else None
     self._tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     self._pending = []
     self.history = []
+    self.skipped_steps = 0  # non-finite steps whose update was skipped
     self.restart_clock()
 
   def restart_clock(self) -> None:
@@ -144,10 +159,11 @@ class _Reporter:
       return
     fetched = [(s, _fetch(x)) for s, x in self._pending]
     elapsed = time.perf_counter() - self._t0
+    wall_time = time.time()  # when the last pending step had finished
     tps = self._tokens_per_step * len(fetched) / max(elapsed, 1e-9)
     for s, x in fetched:
       x['lr'] = float(self._program.method.learning_rate(s - 1))
-      self.logger.log(s, dict(x, tokens_per_s=tps))
+      self.logger.log(s, dict(x, tokens_per_s=tps, wall_time=wall_time))
       self.history.append(x['loss'])
     s, x = fetched[-1]
     if self.leader:
@@ -157,6 +173,14 @@ class _Reporter:
       self._bar.update(len(fetched), loss=x['loss'])
     self._pending = []
     self.restart_clock()
+
+  def skipped(self, step: int, metrics: dict, in_a_row: int) -> None:
+    """Reports a step whose update was skipped (non-finite)."""
+    if self.leader:
+      print(f'step {step:6d} | loss {metrics["loss"]:.4g} | grad '
+            f'{metrics["grad_norm"]:.4g}: not finite, update skipped '
+            f'({in_a_row} in a row; the run stops at max_bad_steps='
+            f'{self._cfg.max_bad_steps})', flush=True)
 
   def eval(self, step: int, loss: float) -> None:
     ppl = math.exp(min(loss, 50))
@@ -170,21 +194,35 @@ class _Reporter:
     self.logger.close()
 
 
-def _init_or_restore(program: Program, ckpt: Checkpointer, iterator):
-  """(start step, params, opt_state): the latest checkpoint, else a new run."""
-  start = ckpt.latest_step() or 0
-  if not start:
-    return (0,) + program.init_state()
-  target = {'params': program.abstract_params, 'opt': program.abstract_opt}
-  state, extras = ckpt.restore(start, target)
-  iterator.set_state(extras['data'])
-  return start, state['params'], state['opt']
+class _Saver:
+  """Saves the train state with the data position and the config."""
+
+  def __init__(self, cfg: config_lib.Config, ckpt: Checkpointer, feed,
+               config_history: list):
+    self._cfg, self._ckpt, self._feed = cfg, ckpt, feed
+    self._history = config_history
+
+  @property
+  def directory(self) -> str:
+    return self._ckpt.directory
+
+  def __call__(self, step: int, params, opt_state) -> None:
+    self._ckpt.save(step, {'params': params, 'opt': opt_state},
+                    {'data': self._feed.iterator.get_state(),
+                     'config': config_lib.to_dict(self._cfg),
+                     'config_history': self._history})
+
+
+def _checkpoint_due(cfg: config_lib.Config, done: int) -> bool:
+  return bool(cfg.ckpt_every and done % cfg.ckpt_every == 0) or (
+      done == cfg.steps)
 
 
 def _summarize(cfg, reporter: _Reporter, start: int,
                eval_loss: Optional[float]) -> dict:
   history = reporter.history
   summary = {'steps': cfg.steps, 'start_step': start,
+             'skipped_steps': reporter.skipped_steps,
              'first_loss': history[0] if history else None,
              'final_loss': history[-1] if history else None,
              'eval_loss': eval_loss, 'losses': history}
@@ -199,46 +237,86 @@ def _summarize(cfg, reporter: _Reporter, start: int,
   return summary
 
 
-def train(cfg: config_lib.Config, devices=None) -> dict:
-  """Trains (or resumes) the run in `cfg.out_dir`; returns a summary."""
+def train(cfg: config_lib.Config, devices=None, *,
+          allow_config_change: bool = False) -> dict:
+  """Trains (or resumes) the run in `cfg.out_dir`; returns a summary.
+
+  Args:
+    cfg: the run's config.
+    devices: the devices of the mesh (default: all).
+    allow_config_change: resume even if keys that change the computation
+      differ from the checkpoint's config (`resume.check_config`).
+  """
   program = build_program(cfg, devices)
   feed = _DataFeed(cfg, program)
   ckpt = Checkpointer(os.path.join(cfg.out_dir, 'ckpt'))
-  start, params, opt_state = _init_or_restore(program, ckpt, feed.iterator)
+  leader = jax.process_index() == 0
+  resumed = resume.restore_or_init(cfg, program, ckpt, feed.iterator,
+                                   allow_config_change,
+                                   say=print if leader else None)
+  start = resumed.start
   reporter = _Reporter(cfg, program, start)
-  if start and reporter.leader:
+  if start and leader:
     print(f'resumed from {cfg.out_dir}/ckpt step {start}')
   programs = StepPrograms(program)
   programs.compile_all(start, cfg.steps)  # compile every program before timing
-  if reporter.leader:
+  if leader:
     print('collectives of the train step, per device per step:')
     print(analysis.format_table(programs.collectives(cfg.steps - 1)))
+  try:
+    last_eval = _loop(cfg, program, programs, feed, reporter, resumed,
+                      _Saver(cfg, ckpt, feed, resumed.config_history))
+  finally:
+    ckpt.close()
+    reporter.close()
+  return _summarize(cfg, reporter, start, last_eval)
+
+
+def _loop(cfg, program: Program, programs: StepPrograms, feed: _DataFeed,
+          reporter: _Reporter, resumed: resume.Resumed,
+          save: _Saver) -> float:
+  """Steps `resumed.start`..`cfg.steps`; returns the last eval loss."""
+  params, opt_state = resumed.params, resumed.opt_state
   evaluate = step_lib.make_eval_step(program.apply_fn, program.layout)
 
   def eval_loss() -> float:
     return float(np.mean([float(evaluate(params, b))
                           for b in feed.eval_batches]))
 
+  in_flight = guard.InFlightSteps(cfg.max_bad_steps, on_skip=reporter.skipped)
   last_eval = None
   reporter.restart_clock()
-  for step in range(start, cfg.steps):
-    fn, nbytes = programs(step)
-    params, opt_state, metrics = fn(params, opt_state, feed.next())
-    done = step + 1
-    reporter.record(done, dict(metrics, comm_bytes=nbytes,
-                               **program.method.stats(opt_state)))
-    if done % cfg.log_every == 0 or done == cfg.steps:
-      reporter.flush()
-    if cfg.eval_every and done % cfg.eval_every == 0:
-      last_eval = eval_loss()
-      reporter.eval(done, last_eval)
-    if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps:
-      ckpt.save(done, {'params': params, 'opt': opt_state},
-                {'data': feed.iterator.get_state(),
-                 'config': config_lib.to_dict(cfg)})
+  with preemption.StopSignals() as signals:
+    for step in range(resumed.start, cfg.steps):
+      fn, nbytes = programs(step)
+      params, opt_state, metrics = fn(params, opt_state, feed.next())
+      done = step + 1
+      # Copies: the next step donates (and deletes) the state's buffers.
+      stats = jax.tree.map(jnp.copy, program.method.stats(opt_state))
+      reporter.record(done, dict(metrics, comm_bytes=nbytes, **stats))
+      try:
+        in_flight.push(done, metrics)
+        signum = signals.requested()
+        saving = _checkpoint_due(cfg, done) or signum is not None
+        if saving:
+          in_flight.drain()  # a checkpoint only of steps known finite
+      except guard.DivergedError:
+        reporter.flush()
+        raise
+      reporter.skipped_steps = in_flight.skipped
+      if done % cfg.log_every == 0 or done == cfg.steps or signum:
+        reporter.flush()
+      if cfg.eval_every and done % cfg.eval_every == 0:
+        last_eval = eval_loss()
+        reporter.eval(done, last_eval)
+      if saving:
+        save(done, params, opt_state)
+      if signum and done < cfg.steps:
+        raise preemption.Interrupted(signum, done, (
+            f'{preemption.name(signum)} received: stopped after step {done} '
+            f'and saved {save.directory}/{done}; run the same command to '
+            'resume from there'))
   if last_eval is None or (cfg.eval_every and cfg.steps % cfg.eval_every):
     last_eval = eval_loss()
     reporter.eval(cfg.steps, last_eval)
-  ckpt.close()
-  reporter.close()
-  return _summarize(cfg, reporter, start, last_eval)
+  return last_eval

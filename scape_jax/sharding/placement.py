@@ -1,0 +1,71 @@
+"""Placing a user's parameters, optimizer state and batch on a mesh.
+
+`jax.shard_map` takes its inputs as the `in_specs` say they are split: an
+optimizer state from a bare `tx.init`, or a batch made on the host, is not,
+and the call fails. These helpers put them there.
+"""
+
+from typing import Any, Optional
+
+import jax
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from scape_jax.sharding.mesh import DATA
+from scape_jax.sharding.specs import state_partition_specs
+
+
+def _shardings(mesh: jax.sharding.Mesh, specs: Any) -> Any:
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def place(tree: Any, mesh: jax.sharding.Mesh, specs: Any = P()) -> Any:
+  """Puts `tree` on `mesh`, split as `specs` say.
+
+  Args:
+    tree: arrays (parameters, a batch, an optimizer state).
+    mesh: the device mesh.
+    specs: one `PartitionSpec` for every leaf (default `P()`: replicated;
+      `P('data')`: the leading axis split over the workers), or a tree of
+      them shaped like `tree` (a prefix of it), e.g. from
+      `state_partition_specs`.
+
+  Returns:
+    `tree` with every leaf a `jax.Array` sharded on `mesh`.
+  """
+  return jax.device_put(tree, _shardings(mesh, specs))
+
+
+def init_sharded(tx: optax.GradientTransformation, params: Any,
+                 mesh: jax.sharding.Mesh, axis_name: str = DATA, *,
+                 param_specs: Optional[Any] = None) -> tuple[Any, Any]:
+  """`tx.init(params)` placed on `mesh`, and its PartitionSpecs.
+
+  The state is the global view that `tx.update` expects inside
+  `jax.shard_map`: per-worker fields (SCAPE's residuals and masks) split over
+  `axis_name`, moments shaped like the parameters placed like them, the rest
+  replicated (`state_partition_specs`). It is created directly in place.
+
+  Args:
+    tx: any optax transformation (SCAPE, AdamS, optax's own).
+    params: the parameters (arrays or `jax.ShapeDtypeStruct`s).
+    mesh: the device mesh; `axis_name` must be one of its axes.
+    axis_name: the data-parallel axis.
+    param_specs: the parameters' PartitionSpecs if they are not replicated.
+
+  Returns:
+    `(opt_state, specs)`: pass `specs` as the state's `in_specs` and
+    `out_specs` of `jax.shard_map`.
+  """
+  if axis_name not in mesh.axis_names:
+    raise ValueError(f'axis_name={axis_name!r} is not an axis of the mesh; '
+                     f'its axes: {mesh.axis_names}')
+  with jax.set_mesh(mesh):
+    shapes = jax.eval_shape(tx.init, params)
+  specs = state_partition_specs(shapes, axis_name, params=params,
+                                param_specs=param_specs)
+  with jax.set_mesh(mesh):
+    opt_state = jax.jit(tx.init, out_shardings=_shardings(mesh, specs))(params)
+  return opt_state, specs

@@ -1,0 +1,110 @@
+"""Pre-train a GPT-2 or Llama model with AdamW, AdamS or SCAPE.
+
+  python train.py --config configs/llama500m.py [--config.KEY=VALUE ...]
+  python train.py --config configs/llama500m.py --dry-run
+
+`scape-train` (installed with the package) is the same command.
+
+Several processes (one per host or GPU) join through --coordinator,
+--num-processes and --process-id, or through a cluster's environment (SLURM,
+Open MPI, TPU pods, JAX_COORDINATOR_ADDRESS) with --distributed.
+
+Running the same command again resumes from the newest checkpoint in out_dir.
+Exit codes: 0 done; 2 a mistake in the config, the data or a checkpoint (the
+message says which); 3 training diverged (max_bad_steps non-finite steps in a
+row); 128 + N stopped by signal N after saving (143 SIGTERM, 130 SIGINT).
+"""
+
+import argparse
+import os
+import sys
+
+EXIT_USAGE = 2  # a mistake in the config, the data or a checkpoint
+EXIT_DIVERGED = 3  # max_bad_steps non-finite steps in a row
+EXIT_SIGINT = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  parser.add_argument('--config', default=None,
+                      help='a config file (configs/*.py); default: built-ins')
+  parser.add_argument('--dry-run', action='store_true',
+                      help='compile the train step from abstract shapes on a '
+                      'mesh of the configured size and report memory')
+  parser.add_argument('--coordinator', default=None,
+                      help='host:port of process 0 (multi-process runs)')
+  parser.add_argument('--num-processes', type=int, default=None)
+  parser.add_argument('--process-id', type=int, default=None)
+  parser.add_argument('--distributed', action='store_true',
+                      help='jax.distributed.initialize() from the cluster '
+                      'environment')
+  parser.add_argument('--allow-config-change', action='store_true',
+                      help='resume even though keys that change the '
+                      'computation (lr, steps, ...) differ from the '
+                      "checkpoint's config; the change is recorded")
+  args, rest = parser.parse_known_args(argv)
+  unknown = [a for a in rest if not a.startswith('--config.')]
+  if unknown and not (len(rest) >= 2 and unknown == rest[1::2]):
+    parser.error(f'unrecognized arguments: {" ".join(unknown)} (config '
+                 'overrides are written --config.KEY=VALUE)')
+  return args, rest
+
+
+def _cluster_env() -> bool:
+  env = os.environ
+  return ('JAX_COORDINATOR_ADDRESS' in env or
+          int(env.get('SLURM_NTASKS', '1')) > 1 or
+          int(env.get('OMPI_COMM_WORLD_SIZE', '1')) > 1)
+
+
+def main(argv=None) -> int:
+  args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+  from scape_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  try:
+    cfg = config_lib.load(args.config, overrides)
+  except (config_lib.ConfigError, FileNotFoundError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    return EXIT_USAGE
+
+  from scape_jax import train as trainer  # pylint: disable=g-import-not-at-top
+  from scape_jax.train.checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
+  from scape_jax.data.prepare import CorpusError  # pylint: disable=g-import-not-at-top
+  need = trainer.required_devices(cfg)
+  flags = os.environ.get('XLA_FLAGS', '')
+  if args.dry_run and need and 'host_platform_device_count' not in flags:
+    # Simulated CPU devices for the configured mesh (read at backend start).
+    os.environ['XLA_FLAGS'] = (
+        f'{flags} --xla_force_host_platform_device_count={need}').strip()
+
+  import jax  # pylint: disable=g-import-not-at-top
+  if args.coordinator or args.distributed or _cluster_env():
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+    jax.distributed.initialize(args.coordinator, args.num_processes,
+                               args.process_id)
+  try:
+    if args.dry_run:
+      devices = jax.devices()
+      if need and len(devices) < need:
+        devices = jax.devices('cpu')
+      trainer.dry_run(cfg, devices)
+    else:
+      trainer.train(cfg, allow_config_change=args.allow_config_change)
+  except (config_lib.ConfigError, CheckpointError, CorpusError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    return EXIT_USAGE
+  except trainer.DivergedError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return EXIT_DIVERGED
+  except trainer.Interrupted as e:
+    print(f'stopped: {e}', file=sys.stderr)
+    return e.exit_code
+  except KeyboardInterrupt:  # before the first step, or a second Ctrl-C
+    print('interrupted: stopped at once; the same command resumes from the '
+          'last checkpoint', file=sys.stderr)
+    return EXIT_SIGINT
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

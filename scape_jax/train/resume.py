@@ -1,0 +1,179 @@
+"""Resuming a run: the newest checkpoint that verifies, and config changes.
+
+`restore_or_init` looks at the checkpoints in `out_dir/ckpt`, newest first.
+A damaged one (`CorruptCheckpointError`: unreadable files, checksums or an
+extras hash that differ) is moved to `ckpt.corrupt/<step>` (nothing is
+deleted, and the step can be saved again) and the next older one is tried;
+the run says which were skipped and why.
+
+Before any array is read, the config the checkpoint was saved with is
+compared with the current one, key by key (`config_changes`):
+
+* `RESUME_SAFE_KEYS` (logging, evaluation and checkpoint intervals, where
+  outputs go, rematerialisation) may change freely; the change is reported;
+* `STRUCTURAL_KEYS` (method, model, mesh, seed, batch and data) define the
+  state's shapes or the data order: a change is refused, whatever the flag;
+* any other change (learning rate, schedule, `steps`, a method's own keys,
+  ...) alters what the run computes from there on. It is refused unless
+  `allow_config_change` (`train.py --allow-config-change`); then it is
+  reported and recorded in every later checkpoint's `config_history`.
+"""
+
+import dataclasses
+from typing import Any, Callable, Mapping, Optional
+
+from scape_jax.train import config as config_lib
+from scape_jax.train import methods
+from scape_jax.train.checkpoint import Checkpointer, CorruptCheckpointError
+
+# Keys that change neither the state nor the numbers of the run.
+RESUME_SAFE_KEYS = ('log_every', 'eval_every', 'eval_batches', 'ckpt_every',
+                    'max_bad_steps', 'out_dir', 'data.data_dir', 'model.remat')
+# Keys (or 'section.' prefixes) that fix the state's shapes or the data order.
+STRUCTURAL_KEYS = ('optimizer.name', 'model.preset', 'model.param_dtype',
+                   'mesh.', 'seed', 'data.corpus', 'data.tokenizer',
+                   'data.seq_len', 'data.batch_size')
+_ABSENT = '(absent)'
+
+
+@dataclasses.dataclass
+class Resumed:
+  """Where the run starts: step, state and the recorded config changes."""
+  start: int
+  params: Any
+  opt_state: Any
+  config_history: list
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
+  """{'a': {'b': 1}} -> {'a.b': 1}."""
+  out = {}
+  for key, value in tree.items():
+    dotted = f'{prefix}{key}'
+    if isinstance(value, Mapping):
+      out.update(flatten(value, dotted + '.'))
+    else:
+      out[dotted] = value
+  return out
+
+
+def _unused_section(key: str, method: str) -> bool:
+  """Whether `key` belongs to the own section of a method not in use."""
+  parts = key.split('.')
+  return (len(parts) > 2 and parts[0] == 'optimizer' and
+          parts[1] != method and parts[1] in methods.REGISTRY)
+
+
+def config_changes(saved: Mapping[str, Any],
+                   current: Mapping[str, Any]) -> dict[str, tuple]:
+  """{dotted key: (saved value, current value)} for every differing key.
+
+  The sections of methods that neither config uses are left out.
+  """
+  old, new = flatten(saved), flatten(current)
+  in_use = {saved.get('optimizer', {}).get('name'),
+            current.get('optimizer', {}).get('name')}
+  changes = {}
+  for key in sorted(old.keys() | new.keys()):
+    if all(_unused_section(key, m) for m in in_use):
+      continue
+    before, after = old.get(key, _ABSENT), new.get(key, _ABSENT)
+    if before != after:
+      changes[key] = (before, after)
+  return changes
+
+
+def _is_structural(key: str) -> bool:
+  return any(key == k or (k.endswith('.') and key.startswith(k))
+             for k in STRUCTURAL_KEYS)
+
+
+def _lines(changes: Mapping[str, tuple]) -> str:
+  return ''.join(f'\n  {k}: {old!r} -> {new!r}'
+                 for k, (old, new) in changes.items())
+
+
+def check_config(saved: Mapping[str, Any], current: Mapping[str, Any],
+                 where: str, allow_change: bool) -> dict[str, tuple]:
+  """The changes that need the flag; raises ConfigError if not allowed.
+
+  Args:
+    saved: the config the checkpoint was saved with (`config.to_dict`).
+    current: the config of this run.
+    where: the checkpoint, for messages.
+    allow_change: accept changes of keys that are neither structural nor in
+      `RESUME_SAFE_KEYS`.
+
+  Returns:
+    Every change (safe ones included), to report and record.
+  """
+  changes = config_changes(saved, current)
+  structural = {k: v for k, v in changes.items() if _is_structural(k)}
+  if structural:
+    raise config_lib.ConfigError(
+        f'cannot resume {where} with this config: these keys fix the model, '
+        f'the optimizer state or the data order and must stay as saved:'
+        f'{_lines(structural)}\nUse another out_dir to start a new run.')
+  flagged = {k: v for k, v in changes.items() if k not in RESUME_SAFE_KEYS}
+  if flagged and not allow_change:
+    raise config_lib.ConfigError(
+        f'the config differs from the one {where} was saved with:'
+        f'{_lines(flagged)}\nThese change what the run computes from here '
+        'on. To resume with them anyway, pass --allow-config-change (the '
+        'new values are recorded in the checkpoints); to keep the saved '
+        'values, drop these overrides.')
+  return changes
+
+
+def _set_aside(ckpt: Checkpointer, skipped: list, start: int,
+               say: Callable[[str], None]) -> None:
+  for step, reason in skipped:
+    moved = ckpt.set_aside(step)
+    say(f'warning: {reason}\n  moved it to {moved}; resuming from step '
+        f'{start}, the newest checkpoint that verifies')
+
+
+def restore_or_init(cfg: config_lib.Config, program, ckpt: Checkpointer,
+                    iterator, allow_config_change: bool = False,
+                    say: Optional[Callable[[str], None]] = print) -> Resumed:
+  """The newest checkpoint that verifies, else a new state (see module doc).
+
+  Raises:
+    ConfigError: the config changed in a way that is not allowed, or the
+      prepared corpus is not the one the checkpoint was trained on.
+    CheckpointError: the checkpoints do not fit the program, or none of them
+      verifies (then nothing is moved).
+  """
+  say = say or (lambda _: None)
+  steps = ckpt.all_steps()
+  if not steps:
+    return Resumed(0, *program.init_state(), config_history=[])
+  current = config_lib.to_dict(cfg)
+  target = {'params': program.abstract_params, 'opt': program.abstract_opt}
+  skipped = []
+  for step in reversed(steps):
+    where = f'checkpoint {ckpt.directory}/{step}'
+    try:
+      _, extras = ckpt.read_extras(step)
+      changes = check_config(extras.get('config', {}), current, where,
+                             allow_config_change)
+      state, extras = ckpt.restore(step, target)
+    except CorruptCheckpointError as e:
+      skipped.append((step, str(e)))
+      continue
+    try:
+      iterator.set_state(extras['data'])
+    except (KeyError, ValueError) as e:
+      raise config_lib.ConfigError(
+          f'{where}: cannot restore the data position: {e}') from e
+    _set_aside(ckpt, skipped, step, say)
+    history = list(extras.get('config_history', []))
+    if changes:
+      say(f'resuming step {step} with config changes:{_lines(changes)}')
+      history.append({'step': step, 'changes': {
+          k: list(v) for k, v in changes.items()}})
+    return Resumed(step, state['params'], state['opt'], history)
+  raise CorruptCheckpointError(
+      f'no checkpoint in {ckpt.directory} verifies:' +
+      ''.join(f'\n  step {s}: {reason}' for s, reason in skipped) +
+      '\nNothing was moved. Move the directory away to start a new run.')

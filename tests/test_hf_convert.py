@@ -1,0 +1,182 @@
+"""The Hugging Face name/layout mapping, checked without torch.
+
+Parity with `transformers` itself (logits) is in test_hf.py (`make test-hf`).
+"""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import models
+from scape_jax import hf
+from scape_jax.hf import convert
+from scape_jax.train.checkpoint import Checkpointer, CheckpointError
+
+PRESETS = ('llama-tiny', 'gpt-tiny')
+
+
+def _params(preset, seed=0):
+  cfg = models.get_config(preset)
+  model = models.build(cfg, rngs=nnx.Rngs(seed))
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  rng = np.random.default_rng(seed)
+  return cfg, jax.tree.map(
+      lambda x: np.asarray(x) + rng.normal(size=x.shape).astype(np.float32),
+      params)
+
+
+def test_llama_names_and_layouts():
+  cfg, params = _params('llama-tiny')
+  state = hf.to_hf_state(cfg, params)
+  q = params['layers'][1]['self_attn']['q_proj']['kernel']
+  np.testing.assert_array_equal(
+      state['model.layers.1.self_attn.q_proj.weight'], q.T)  # torch: [out, in]
+  np.testing.assert_array_equal(state['lm_head.weight'],
+                                params['lm_head']['kernel'].T)
+  np.testing.assert_array_equal(state['model.norm.weight'],
+                                params['norm']['scale'])
+  assert state['model.layers.0.self_attn.k_proj.weight'].shape == (
+      cfg.n_kv_heads * cfg.head_dim, cfg.d_model)
+  assert len(state) == 2 + 1 + 9 * cfg.n_layers
+
+
+def test_gpt2_names_and_layouts():
+  cfg, params = _params('gpt-tiny')
+  state = hf.to_hf_state(cfg, params)
+  kernel = params['h'][0]['attn']['c_attn']['kernel']
+  np.testing.assert_array_equal(  # Conv1D stores [in, out], as flax does
+      state['transformer.h.0.attn.c_attn.weight'], kernel)
+  np.testing.assert_array_equal(state['transformer.ln_f.bias'],
+                                params['ln_f']['bias'])
+  assert 'lm_head.weight' not in state  # tied to wte
+  assert state['transformer.wpe.weight'].shape == (cfg.max_seq_len,
+                                                   cfg.d_model)
+
+
+@pytest.mark.parametrize('preset', PRESETS)
+def test_round_trip_is_exact(preset):
+  cfg, params = _params(preset)
+  back = hf.from_hf_state(cfg, hf.to_hf_state(cfg, params), params)
+  jax.tree.map(np.testing.assert_array_equal, back, params)
+  assert hf.from_hf_config(hf.to_hf_config(cfg)) == cfg
+
+
+def test_gpt2_files_without_prefix_and_with_buffers():
+  cfg, params = _params('gpt-tiny')
+  state = {k.removeprefix('transformer.'): v
+           for k, v in hf.to_hf_state(cfg, params).items()}
+  state['h.0.attn.bias'] = np.ones((1, 1, 4, 4))  # an old causal-mask buffer
+  state['lm_head.weight'] = state['wte.weight']
+  back = hf.from_hf_state(cfg, state, params)
+  jax.tree.map(np.testing.assert_array_equal, back, params)
+
+
+def test_tied_llama_copies_the_embedding():
+  cfg, params = _params('llama-tiny')
+  state = hf.to_hf_state(cfg, params)
+  del state['lm_head.weight']
+  back = hf.from_hf_state(cfg, state, params)
+  np.testing.assert_array_equal(back['lm_head']['kernel'],
+                                params['embed_tokens']['embedding'].T)
+
+
+def test_missing_extra_and_misshapen_tensors_are_named():
+  cfg, params = _params('llama-tiny')
+  state = hf.to_hf_state(cfg, params)
+  del state['model.layers.0.mlp.up_proj.weight']
+  state['model.layers.0.mlp.gate_proj.weight'] = np.zeros((3, 3))
+  state['model.extra.weight'] = np.zeros(3)
+  with pytest.raises(hf.ConversionError) as e:
+    hf.from_hf_state(cfg, state, params)
+  text = str(e.value)
+  assert 'model.layers.0.mlp.up_proj.weight: missing' in text
+  assert 'gate_proj.weight: shape (3, 3), expected (192, 64)' in text
+  assert 'model.extra.weight: not a parameter' in text
+
+
+@pytest.mark.parametrize('change, message', [
+    ({'model_type': 'mistral'}, "model_type='mistral' is not supported"),
+    ({'rope_parameters': {'rope_type': 'llama3', 'rope_theta': 5e5}},
+     "unsupported RoPE type 'llama3'"),
+    ({'hidden_act': 'gelu'}, "hidden_act='gelu' (supported: 'silu')"),
+    ({'attention_bias': True}, 'attention_bias=True'),
+    ({'head_dim': 32}, 'head_dim=32'),
+])
+def test_unsupported_llama_configs_are_refused(change, message):
+  config = hf.to_hf_config(models.get_config('llama-tiny'))
+  config.update(change)
+  with pytest.raises(hf.ConversionError, match=None) as e:
+    hf.from_hf_config(config)
+  assert message in str(e.value)
+
+
+def test_gpt2_config_defaults():
+  cfg = hf.from_hf_config({'model_type': 'gpt2', 'vocab_size': 50257,
+                           'n_embd': 768, 'n_layer': 12, 'n_head': 12,
+                           'n_positions': 1024, 'n_inner': None})
+  assert (cfg.d_ff, cfg.norm_eps, cfg.vocab_size) == (3072, 1e-5, 50257)
+
+
+def test_byte_tokenizer_ids_are_the_utf8_bytes():
+  tok = hf.byte_tokenizer()
+  text = 'To be, or not\n\tto be:  ¿über 日本? \x00\x7f end '
+  ids = tok.encode(text).ids
+  assert ids == list(text.encode('utf-8'))
+  assert tok.decode(ids) == text
+  assert tok.get_vocab_size() == 256
+
+
+def test_partial_restore_reads_only_the_params(tmp_path):
+  params = {'w': np.arange(6, dtype=np.float32).reshape(2, 3)}
+  state = {'params': params, 'opt': {'residual': np.ones((8, 5), np.float32)}}
+  with Checkpointer(str(tmp_path)) as ckpt:
+    ckpt.save(7, state, {'config': {'steps': 7}})
+  ckpt = Checkpointer(str(tmp_path))
+  assert ckpt.extras() == (7, {'config': {'steps': 7}})
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = {'params': {'w': jax.ShapeDtypeStruct((2, 3), np.float32,
+                                                 sharding=device)}}
+  with pytest.raises(CheckpointError, match="'opt'.*not in abstract_state"):
+    ckpt.restore(7, target)
+  restored, extras = ckpt.restore(None, target, partial=True)
+  np.testing.assert_array_equal(restored['params']['w'], params['w'])
+  assert set(restored) == {'params'} and extras['config'] == {'steps': 7}
+  with pytest.raises(CheckpointError, match='no checkpoint for step 3'):
+    ckpt.extras(3)
+
+
+def test_save_pretrained_writes_config_and_weights(tmp_path):
+  st = pytest.importorskip('safetensors.numpy',
+                           reason="needs safetensors: pip install '.[hf]'")
+  cfg, params = _params('gpt-tiny')
+  hf.save_pretrained(str(tmp_path), cfg, params)
+  config = hf.read_config(str(tmp_path))
+  assert config['architectures'] == ['GPT2LMHeadModel']
+  assert hf.from_hf_config(config) == cfg
+  saved = st.load_file(str(tmp_path / convert.WEIGHTS_FILE))
+  back = hf.from_hf_state(cfg, saved, params)
+  jax.tree.map(np.testing.assert_array_equal, back, params)
+
+
+def test_a_runs_tokenizer_json_is_copied_with_its_eos(tmp_path):
+  tokenizers = pytest.importorskip('tokenizers')
+  from tokenizers import models as tok_models  # pylint: disable=g-import-not-at-top
+  from tokenizers import trainers  # pylint: disable=g-import-not-at-top
+  from scape_jax import export_hf  # pylint: disable=g-import-not-at-top
+  from scape_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  tok = tokenizers.Tokenizer(tok_models.BPE())
+  tok.train_from_iterator(['to be or not to be'] * 10, trainers.BpeTrainer(
+      vocab_size=40, special_tokens=['<|endoftext|>'], show_progress=False))
+  path = tmp_path / 'tokenizer.json'
+  tok.save(str(path))
+  cfg = config_lib.load(None, [f'--config.data.tokenizer={path}'])
+  out = tmp_path / 'out'
+  files, eos_id = export_hf._tokenizer_files(cfg, str(out), 128)  # pylint: disable=protected-access
+  assert eos_id == tok.token_to_id('<|endoftext|>') == 0
+  assert (out / 'tokenizer.json').read_bytes() == path.read_bytes()
+  config = json.loads((out / 'tokenizer_config.json').read_text())
+  assert config['eos_token'] == '<|endoftext|>'
+  assert config['model_max_length'] == 128 and 'tokenizer.json' in files
