@@ -216,10 +216,11 @@ def diagnosis_table(out: str, points=(('base', ''), ('b2', '0.999'))) -> list:
            '|---|---|' + '---|' * (len(heads) + 2)]
   for point in points:
     values = dict(((a, v), o) for a, v, o, _ in fidelity.POINTS)[point]
-    for method, m in fidelity.METHODS.items():
+    for method in fidelity.METHODS:
       if method == 'AdamS':
         continue
-      key = fidelity.run_key(dict(values, **m, seed=0))
+      key = fidelity.run_key(dict(
+          values, **fidelity.method_overrides(method, fidelity.PROBE_SEED)))
       warm = values.get('optimizer.scape.density_warmup_steps', 50)
       stats = diagnosis(out, key, warm)
       if not stats:
@@ -270,26 +271,34 @@ def conclusion(grid: dict) -> list:
 
 
 def oracle_table(out: str, grid: dict) -> list:
-  """The sparse-update oracle and the Figure-3 compressor against AdamS."""
-  lines = ['| run | b2 | density | eval loss | vs AdamS (seed 0) |',
-           '|---|---|---|---|---|']
-  adams = {'0.95': grid.get(('base', ''), {}).get('AdamS', {}).get(0),
-           '0.999': grid.get(('b2', '0.999'), {}).get('AdamS', {}).get(0)}
+  """The sparse-update oracle against AdamS at the same b2 and seed."""
+  lines = ['| run | b2 | density | seed | eval loss | vs AdamS (same seed) |',
+           '|---|---|---|---|---|---|']
+  adams = {'0.95': grid.get(('base', ''), {}).get('AdamS', {}),
+           '0.999': grid.get(('b2', '0.999'), {}).get('AdamS', {})}
   for key, overrides, _ in fidelity.figure_runs():
-    if not key.startswith(('oracle', 'topk_gradient')):
+    if not key.startswith('oracle'):
       continue
     result = _load(out, key)
     b2 = str(overrides.get('optimizer.b2', 0.95))
+    seed = overrides.get('seed', 0)
     density = key.split('_d')[1].split('_')[0]
+    head = f'| {key} | {b2} | {density} | {seed} |'
     if result is None:
-      lines.append(f'| {key} | {b2} | {density} | not run yet | |')
+      lines.append(f'{head} not run | |')
       continue
-    base = adams.get(b2)
+    base = adams.get(b2, {}).get(seed)
     vs = (f'{100 * (result["eval_loss"] / base["eval_loss"] - 1):+.1f}%'
-          if base else 'n/a')
-    lines.append(f'| {key} | {b2} | {density} | {result["eval_loss"]:.3f} '
-                 f'| {vs} |')
+          if base else 'AdamS not run')
+    lines.append(f'{head} {result["eval_loss"]:.3f} | {vs} |')
   return lines
+
+
+def missing_runs(out: str) -> list:
+  """Names of the runs of `grid` and `figures` that have no result yet."""
+  keys = [fidelity.run_key(o) for _, _, _, o in fidelity.grid_runs()]
+  keys += [k for k, _, _ in fidelity.figure_runs()]
+  return [k for k in dict.fromkeys(keys) if _load(out, k) is None]
 
 
 def _cpu_hours(out: str) -> float:

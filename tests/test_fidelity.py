@@ -135,5 +135,10 @@ def test_grid_keys_share_identical_runs_and_every_point_has_adams():
   assert keys[(('warmup', '0'), 'SCAPE d=0.1', 0)] != keys[
       (('base', ''), 'SCAPE d=0.1', 0)]
   assert len(set(keys.values())) < len(keys)
+  # Only the seed the diagnosis reads goes through the probe.
+  assert keys[(('base', ''), 'fresh d=0.1', 0)] == (
+      'name=probe_scape,density=0.1,variant=fresh,seed=0')
+  assert keys[(('base', ''), 'SCAPE d=0.01', 1)] == (
+      'name=scape,density=0.01,variant=faithful,seed=1')
   for axis, value, _, names in fidelity.POINTS:
     assert 'AdamS' in names and len(fidelity.SEEDS) == 2, (axis, value)
