@@ -350,8 +350,8 @@ def faithful_setting_text(grid: dict) -> list:
     return ['**A faithful setting that closes the gap**: ' +
             '; '.join(closes) + '.']
   return [f'**No faithful setting closes the gap** at the {measured} '
-          '(point, density) pairs measured; the settings not run yet '
-          '(above) are open.']
+          '(point, density) pairs measured; the points not run yet '
+          '(listed below) are open.']
 
 
 def oracle_text(out: str, grid: dict) -> list:
