@@ -156,7 +156,10 @@ def _claim(lock: str) -> bool:
     except FileExistsError:
       try:
         with open(lock) as f:
-          os.kill(int(f.read().strip() or 0), 0)  # still running?
+          pid = int(f.read().strip() or 0)
+        if pid <= 0:  # killed between creating the file and writing to it
+          raise ValueError(lock)
+        os.kill(pid, 0)  # still running?
         return False
       except (ProcessLookupError, ValueError):
         os.remove(lock)  # left by a process that was killed
