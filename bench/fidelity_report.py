@@ -382,7 +382,36 @@ def oracle_text(out: str, grid: dict) -> list:
       'should not beat the oracle, so an oracle gap above a target is the '
       'measured reason that no variant in that family reaches it.', '']
   lines += oracle_table(out, grid)
+  lines += [''] + oracle_verdict(out, grid)
   return lines
+
+
+def oracle_verdict(out: str, grid: dict) -> list:
+  """The oracle's gap against issue 12's targets, per b2 and density."""
+  adams = {0.95: grid.get(('base', ''), {}).get('AdamS', {}),
+           0.999: grid.get(('b2', '0.999'), {}).get('AdamS', {})}
+  found = {}
+  for key, overrides, _ in fidelity.figure_runs():
+    result = _load(out, key)
+    if not key.startswith('oracle') or result is None:
+      continue
+    b2, seed = overrides['optimizer.b2'], overrides.get('seed', 0)
+    density = float(key.split('_d')[1].split('_')[0])
+    base = adams[b2].get(seed)
+    if base:
+      found.setdefault((b2, density), []).append(
+          result['eval_loss'] / base['eval_loss'] - 1)
+  lines = []
+  for (b2, density), g in sorted(found.items()):
+    target = TARGETS[density]
+    above = all(x > target for x in g)
+    lines.append(
+        f'- b2 = {b2}, d = {density}: the oracle is {_pct(g)} behind AdamS, '
+        + (f'above the {100 * target:.0f}% target: under (a)-(c) no '
+           'variant on SCAPE\'s wire reaches it here.' if above else
+           f'within reach of the {100 * target:.0f}% target: the argument '
+           'does not rule a variant out here.'))
+  return lines or ['- No oracle run has an AdamS run to compare with yet.']
 
 
 def figure3_text(out: str, notes: list) -> list:
@@ -482,7 +511,7 @@ def write(out: str) -> None:
            f'within {100 * WITHIN:.0f}% for every seed). `fresh` is the '
            'variant of `docs/design.md`. n/a: not run yet.', '']
   lines += gap_table(grid)
-  lines += ['', '**Where faithful SCAPE holds** (every seed within '
+  lines += ['', '**Where each SCAPE setting holds** (every seed within '
             f'{100 * WITHIN:.0f}%; the mean density in force over the run '
             'is the cost, 1 = dense):', '']
   lines += conclusion(grid)
