@@ -20,6 +20,14 @@ import results_md  # noqa: E402
 DOC = 'docs/results.md'
 PLOTS = 'docs/bench'
 WITHIN = 0.01  # "matches AdamS": final eval loss within 1%
+DPI = 72  # small PNGs in the repository
+
+
+def _save(fig, path: str) -> None:
+  """A small PNG: 72 dpi, 64 colours (Pillow comes with matplotlib)."""
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+  fig.savefig(path, dpi=DPI)
+  Image.open(path).convert('RGB').quantize(64).save(path, optimize=True)
 
 
 def _load(out: str, key: str):
@@ -107,7 +115,7 @@ def plot_gaps(grid: dict, path: str) -> None:
   axes[0].set_ylabel('eval loss vs AdamS (%)')
   axes[-1].legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  _save(fig, path)
   plt.close(fig)
 
 
@@ -146,7 +154,7 @@ def plot_figure3(out: str, path: str) -> list:
                   sum(r['topk_grad_norm'] for r in tail) / len(tail),
                   sw[-1]['loss'] - dense.get(sw[-1]['step'], math.nan)))
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  _save(fig, path)
   plt.close(fig)
   return notes
 
@@ -176,7 +184,7 @@ def plot_figure6(out: str, path: str) -> dict:
   axes[0].set_ylabel('overlap of adjacent top-10% masks of |m|')
   axes[-1].legend(fontsize=5, ncol=2)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  _save(fig, path)
   plt.close(fig)
   return means
 
