@@ -135,7 +135,7 @@ def test_partial_restore_reads_only_the_params(tmp_path):
   with Checkpointer(str(tmp_path)) as ckpt:
     ckpt.save(7, state, {'config': {'steps': 7}})
   ckpt = Checkpointer(str(tmp_path))
-  assert ckpt.extras() == (7, {'config': {'steps': 7}})
+  assert ckpt.read_extras(None) == (7, {'config': {'steps': 7}})
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = {'params': {'w': jax.ShapeDtypeStruct((2, 3), np.float32,
                                                  sharding=device)}}
@@ -145,7 +145,7 @@ def test_partial_restore_reads_only_the_params(tmp_path):
   np.testing.assert_array_equal(restored['params']['w'], params['w'])
   assert set(restored) == {'params'} and extras['config'] == {'steps': 7}
   with pytest.raises(CheckpointError, match='no checkpoint for step 3'):
-    ckpt.extras(3)
+    ckpt.read_extras(3)
 
 
 def test_save_pretrained_writes_config_and_weights(tmp_path):
