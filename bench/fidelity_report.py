@@ -364,10 +364,9 @@ def variant_text(grid: dict) -> list:
   return [f'**`{fidelity.VARIANT}` minus Algorithm 1** (points of the gap, '
           'per seed; negative: the variant is closer to AdamS): ' +
           '; '.join(rows) + '. The variant sets a re-entering step to 1, where '
-          'Algorithm 1\'s is 0.45 / f at b2 = 0.95 and 3.2 / f at 0.999 '
-          '(f <= 1: the clip\'s factor on gbar); the diagnosis below has '
-          'the measured sizes. It helps where it enlarges that step and '
-          'not where it shrinks it.']
+          'Algorithm 1\'s is (1-b1)/sqrt(1-b2) (0.45 at b2 = 0.95, 3.2 at '
+          '0.999) times the bias correction, divided by the clip\'s factor '
+          'f <= 1 on gbar; the diagnosis below has the measured sizes.']
 
 
 def faithful_setting_text(grid: dict) -> list:
