@@ -13,10 +13,23 @@ the final level, `DensitySchedule(d, 0).level(1)`.
 
 At N=1 a "chunk" is the whole leaf, so the top-k runs over every element; with
 N workers each worker's top-k covers only its 1/N chunk, while the gathers and
-scatters still cover the whole leaf. The figures are CPU figures.
+scatters still cover the whole leaf. The figures are CPU figures unless the
+script runs on another backend (the header line says which).
+
+SCAPE runs with its default `select` ('auto': `comm.topk.AUTO_SELECT` of the
+platform). Besides the update, for each SCAPE density < 1 the script times
+the selection of the next mask alone, over every compressed leaf: with
+`lax.top_k` on |x| in fp32 (the selection before issue 9) and with
+the default `select` of `comm.topk.chunk_topk_words`, for N=1 and for one of
+N=32 workers (its chunk 0, 1/32 of every leaf), the latter also as a ratio
+to adamw's full update. It reports every compiled update's
+`memory_analysis().temp_size_in_bytes` (also in units of the fp32 tree),
+and for SCAPE that of the same update with select='sort' beside it.
 
   python bench/optimizer_overhead.py                 # llama-tiny + ~100M tree
   python bench/optimizer_overhead.py --trees llama-tiny --repeats 21
+  python bench/optimizer_overhead.py --selects auto sort  # + 'sort' timed
+  python bench/optimizer_overhead.py --quick         # smoke run, runs/ output
 """
 
 import argparse
@@ -27,6 +40,7 @@ import os
 import statistics
 import sys
 import time
+from typing import NamedTuple, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -41,8 +55,10 @@ from flax import nnx  # noqa: E402
 import models  # noqa: E402
 import scape_jax  # noqa: E402
 from scape_jax.comm import masks  # noqa: E402
+from scape_jax.comm import topk  # noqa: E402
 
 OUT = os.path.join(ROOT, 'docs', 'bench')
+QUICK_OUT = os.path.join(ROOT, 'runs', 'optimizer_overhead_quick')
 LR, B1, B2, WD = 1e-3, 0.9, 0.95, 0.1
 # A ~100M-parameter Llama: llama500m's widths, 3 layers, an 8000-token vocab.
 TREES = {
@@ -71,34 +87,71 @@ def param_tree(name: str, seed: int = 0):
   return make(keys)
 
 
-def methods(densities):
-  """name -> (transformation, kwargs of the timed update, of the first one)."""
+class Method(NamedTuple):
+  """One timed update: the transformation, the kwargs of the timed update and
+  of the first (dense) one, SCAPE's density (None otherwise) and select."""
+  tx: optax.GradientTransformation
+  kwargs: dict
+  first_kwargs: dict
+  density: Optional[float] = None
+  select: Optional[str] = None
+
+
+def methods(densities, selects=('auto',)) -> dict:
+  """label -> Method: adamw, AdamS, and SCAPE at each density with each of
+  `selects` (density 1 selects nothing: 'auto' only)."""
   out = {
-      'optax.adamw': (optax.adamw(LR, b1=B1, b2=B2, weight_decay=WD), {}, {}),
-      'adams': (scape_jax.adams(LR, b1=B1, b2=B2, weight_decay=WD), {}, {}),
+      'optax.adamw': Method(optax.adamw(LR, b1=B1, b2=B2, weight_decay=WD),
+                            {}, {}),
+      'adams': Method(scape_jax.adams(LR, b1=B1, b2=B2, weight_decay=WD), {},
+                      {}),
   }
   for d in densities:
-    tx = scape_jax.scape(LR, density=d, b1=B1, b2=B2, weight_decay=WD,
-                         axis_name=None)
-    level = scape_jax.DensitySchedule(d, 0).level(1)
-    out[f'scape d={d:g}'] = (tx, {'density_level': level},
-                             {'density_level': 0})
+    for select in selects if d < 1 else ['auto']:
+      name = f'scape d={d:g}' + ('' if select == 'auto' else
+                                 f' select={select}')
+      out[name] = Method(scape(d, select),
+                         {'density_level': scape_jax.DensitySchedule(
+                             d, 0).level(1)}, {'density_level': 0}, d, select)
   return out
 
 
-def topk_seconds(params, density: float, n: int) -> float:
-  """Time of one worker's top-k mask selection alone, over every compressed
-  leaf (ndim >= 2), its chunk 0 of the layout over `n` workers."""
+def scape(density: float, select: str) -> optax.GradientTransformation:
+  return scape_jax.scape(LR, density=density, b1=B1, b2=B2, weight_decay=WD,
+                         axis_name=None, select=select)
+
+
+def temp_bytes(tx, kwargs, params, grads) -> int:
+  """The compiled update's `memory_analysis().temp_size_in_bytes`."""
+  state = jax.eval_shape(tx.init, params)
+  compiled = jax.jit(functools.partial(tx.update, **kwargs)).lower(
+      grads, state, params).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+# The selection alone: lax.top_k on |x| in fp32 (the selection before issue
+# 9; XLA:CPU has a fast top-k for fp32 operands only) and the default
+# `select` of comm.topk ('auto': the sort-free threshold search).
+SELECTIONS = {'topk': 'lax.top_k', 'select': 'comm.topk default select'}
+
+
+def selection_seconds(params, density: float, n: int, how: str) -> float:
+  """Time of one worker's next-mask selection alone, over every compressed
+  leaf (ndim >= 2), its chunk 0 of the layout over `n` workers; `how` is a
+  key of SELECTIONS."""
   leaves = [x for x in jax.tree.leaves(params) if x.ndim >= 2]
-  lays = [masks.LeafLayout.create(x.size, n) for x in leaves]
-  ks = [masks.chunk_k(density, lay.chunk_size) for lay in lays]
+  layouts = [masks.LeafLayout.create(x.size, n) for x in leaves]
+  ks = [masks.chunk_k(density, layout.chunk_size) for layout in layouts]
 
-  @jax.jit
-  def select(leaves):
-    return [masks.chunk_topk_bits(
-        jnp.abs(lay.to_chunks(x)[0]), jnp.ones((lay.chunk_size,), bool), k,
-        jnp.int32(k)) for x, lay, k in zip(leaves, lays, ks)]
+  def one(x, layout, k):
+    chunk = layout.to_chunks(x)[0]
+    if how == 'topk':  # As before issue 9: lax.top_k on |x| in fp32.
+      _, order = jax.lax.top_k(jnp.abs(chunk), k)
+      return jnp.zeros((layout.chunk_size,), bool).at[order].set(True)
+    return topk.chunk_topk_words(chunk, layout.chunk_size, k, k)
 
+  select = jax.jit(lambda leaves: [
+      one(x, layout, k) for x, layout, k in zip(leaves, layouts, ks)])
   t0 = time.perf_counter()
   jax.block_until_ready(select(leaves))  # Compile (and run once).
   number = 3 if time.perf_counter() - t0 < 5 else 1
@@ -115,78 +168,122 @@ def nbytes(tree) -> int:
              if hasattr(x, 'dtype'))
 
 
-def bench_tree(name: str, densities, repeats=None) -> list:
+def prepare(method: Method, params, grads):
+  """(compiled timed update, its steady state, compile seconds, temp bytes)."""
+  state = jax.jit(method.tx.init)(params)
+  if method.first_kwargs:  # The dense first step: the mask is a real top-k.
+    first = functools.partial(method.tx.update, **method.first_kwargs)
+    _, state = jax.jit(first)(grads, state, params)
+  t0 = time.perf_counter()
+  fn = jax.jit(functools.partial(method.tx.update, **method.kwargs)).lower(
+      grads, state, params).compile()
+  temps = fn.memory_analysis().temp_size_in_bytes
+  jax.block_until_ready(fn(grads, state, params))  # Warm up.
+  compile_s = time.perf_counter() - t0
+  if compile_s < 5:  # A second warm-up call where it is cheap.
+    jax.block_until_ready(fn(grads, state, params))
+  return fn, state, compile_s, temps
+
+
+def interleaved_times(prepared: dict, grads, params, repeats: int,
+                      number: int) -> dict:
+  """label -> seconds per call, `repeats` samples, methods interleaved."""
+  times = {label: [] for label in prepared}
+  for _ in range(repeats):  # A B C ... A B C ...
+    for label, (fn, state, _, _) in prepared.items():
+      t0 = time.perf_counter()
+      for _ in range(number):
+        out = fn(grads, state, params)
+      jax.block_until_ready(out)
+      times[label].append((time.perf_counter() - t0) / number)
+  return times
+
+
+def bench_tree(name: str, densities, repeats=None, number=None,
+               selects=('auto',)) -> list:
   """Times every method on one tree; returns one row per method.
 
   Small trees (< 10M parameters) take 21 samples of 20 calls each, large ones
-  5 samples of one call, unless `repeats` says otherwise. SCAPE rows also get
-  the time of the top-k selection alone, at N=1 (what the update does here)
-  and at N=32 (one worker's 1/32 chunk of every leaf).
+  5 samples of one call, unless `repeats`/`number` say otherwise. SCAPE rows
+  at density < 1 with the default select also get the time of the selection
+  alone (SELECTIONS) at N=1 (what the update does here) and at N=32 (one
+  worker's 1/32 chunk of every leaf), and the temporaries of the same update
+  with select='sort' (lax.top_k, the selection before issue 9).
   """
   params, grads = param_tree(name)
-  densities = {f'scape d={d:g}': d for d in densities}
   n_params = sum(x.size for x in jax.tree.leaves(params))
   small = n_params < 10_000_000
   repeats = repeats or (21 if small else 5)
-  number = 20 if small else 1
-  fns, states = {}, {}
-  for label, (tx, kw, first_kw) in methods(densities.values()).items():
-    state = jax.jit(tx.init)(params)
-    if first_kw:  # The dense first step, so that the mask is a real top-k.
-      _, state = jax.jit(functools.partial(tx.update, **first_kw))(
-          grads, state, params)
-    fn = jax.jit(functools.partial(tx.update, **kw))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(grads, state, params))  # Compile + warm up.
-    compile_s = time.perf_counter() - t0
-    if compile_s < 5:  # A second warm-up call where it is cheap.
-      jax.block_until_ready(fn(grads, state, params))
-    fns[label], states[label] = (fn, compile_s), state
-  times = {label: [] for label in fns}
-  for _ in range(repeats):  # Interleaved: A B C ... A B C ...
-    for label, (fn, _) in fns.items():
-      t0 = time.perf_counter()
-      for _ in range(number):
-        out = fn(grads, states[label], params)
-      jax.block_until_ready(out)
-      times[label].append((time.perf_counter() - t0) / number)
+  number = number or (20 if small else 1)
+  table = methods(densities, selects)
+  prepared = {label: prepare(m, params, grads) for label, m in table.items()}
+  times = interleaved_times(prepared, grads, params, repeats, number)
   base = statistics.median(times['optax.adamw'])
   rows = []
   for label, ts in times.items():
+    method, (_, state, compile_s, temps) = table[label], prepared[label]
     med = statistics.median(ts)
     q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [med, med, med]
-    rows.append({
+    row = {
         'tree': name, 'params': n_params, 'method': label,
         'median_ms': 1e3 * med, 'q1_ms': 1e3 * q[0], 'q3_ms': 1e3 * q[2],
         'ratio_vs_adamw': med / base, 'repeats': repeats, 'number': number,
-        'state_bytes': nbytes(states[label]),
-        'compile_s': fns[label][1], 'topk_ms_N1': None, 'topk_ms_N32': None})
-    if label.startswith('scape') and densities[label] < 1.0:
-      for n in (1, 32):
-        rows[-1][f'topk_ms_N{n}'] = 1e3 * topk_seconds(
-            params, densities[label], n)
-    topk = ''.join(f'  top-k N={n}: {rows[-1][f"topk_ms_N{n}"]:.3f} ms'
-                   for n in (1, 32) if rows[-1][f'topk_ms_N{n}'] is not None)
-    print(f'  {name:>10} {label:<14} median {1e3 * med:10.3f} ms  '
-          f'[{1e3 * q[0]:.3f}, {1e3 * q[2]:.3f}]  x{med / base:.2f} vs adamw  '
-          f'state {rows[-1]["state_bytes"] / 2**20:.1f} MiB{topk}', flush=True)
+        'state_bytes': nbytes(state), 'temp_bytes': temps,
+        'temp_vs_fp32_tree': temps / (4 * n_params), 'temp_bytes_sort': None,
+        'compile_s': compile_s, 'select_N32_vs_adamw': None}
+    row.update({f'{how}_ms_N{n}': None for how in SELECTIONS for n in (1, 32)})
+    if method.density is not None and method.density < 1 and (
+        method.select == 'auto'):
+      row['temp_bytes_sort'] = temp_bytes(scape(method.density, 'sort'),
+                                          method.kwargs, params, grads)
+      for how in SELECTIONS:
+        for n in (1, 32):
+          row[f'{how}_ms_N{n}'] = 1e3 * selection_seconds(
+              params, method.density, n, how)
+      row['select_N32_vs_adamw'] = row['select_ms_N32'] / (1e3 * base)
+    rows.append(row)
+    print_row(row)
   return rows
+
+
+def print_row(r: dict) -> None:
+  alone = ''.join(f'  {how} N={n}: {r[f"{how}_ms_N{n}"]:.3f} ms'
+                  for how in SELECTIONS for n in (1, 32)
+                  if r[f'{how}_ms_N{n}'] is not None)
+  sort = ('' if r['temp_bytes_sort'] is None else
+          f' (select=sort: {r["temp_bytes_sort"] / 2**20:.1f} MiB)')
+  print(f'  {r["tree"]:>10} {r["method"]:<22} median {r["median_ms"]:10.3f} '
+        f'ms  [{r["q1_ms"]:.3f}, {r["q3_ms"]:.3f}]  '
+        f'x{r["ratio_vs_adamw"]:.2f} vs adamw  state '
+        f'{r["state_bytes"] / 2**20:.1f} MiB  temp '
+        f'{r["temp_bytes"] / 2**20:.1f} MiB{sort}{alone}', flush=True)
 
 
 def markdown(rows) -> str:
   lines = ['| tree | params | method | median ms | IQR ms | vs optax.adamw | '
-           'optimizer state MiB | top-k alone, N=1 ms | top-k alone, one of '
-           'N=32 workers ms |', '|' + '---|' * 9]
+           'optimizer state MiB | update temporaries MiB (x fp32 tree) | '
+           "same, select='sort' MiB (x fp32 tree) | "
+           'top-k alone, N=1 ms | top-k alone, one of N=32 workers ms | '
+           'select alone, N=1 ms | select alone, one of N=32 workers ms | '
+           'select, one of N=32, vs adamw update |', '|' + '---|' * 14]
 
   def ms(x):
     return '-' if x is None else f'{x:.3f}'
 
+  def mib(x, r):
+    return '-' if x is None else (
+        f'{x / 2**20:.1f} ({x / (4 * r["params"]):.2f})')
+
   for r in rows:
+    ratio = r['select_N32_vs_adamw']
     lines.append(
         f'| {r["tree"]} | {r["params"] / 1e6:.2f}M | {r["method"]} | '
         f'{r["median_ms"]:.3f} | {r["q1_ms"]:.3f}-{r["q3_ms"]:.3f} | '
         f'{r["ratio_vs_adamw"]:.2f}x | {r["state_bytes"] / 2**20:.1f} | '
-        f'{ms(r["topk_ms_N1"])} | {ms(r["topk_ms_N32"])} |')
+        f'{mib(r["temp_bytes"], r)} | {mib(r["temp_bytes_sort"], r)} | '
+        f'{ms(r["topk_ms_N1"])} | {ms(r["topk_ms_N32"])} | '
+        f'{ms(r["select_ms_N1"])} | {ms(r["select_ms_N32"])} | '
+        f'{"-" if ratio is None else f"{ratio:.2f}x"} |')
   return '\n'.join(lines)
 
 
@@ -197,15 +294,30 @@ def main(argv=None):
   p.add_argument('--densities', nargs='+', type=float,
                  default=[1.0, 0.1, 0.01])
   p.add_argument('--repeats', type=int, default=None,
-                 help='timed samples per method (default: 21 tiny, 7 large)')
-  p.add_argument('--out', default=OUT)
+                 help='timed samples per method (default: 21 tiny, 5 large)')
+  p.add_argument('--number', type=int, default=None,
+                 help='calls per sample (default: 20 tiny, 1 large)')
+  p.add_argument('--selects', nargs='+', default=['auto'],
+                 choices=topk.SELECTS,
+                 help="SCAPE's select values to time (default: auto; 'sort' "
+                 "is lax.top_k, slow at N=1; 'pallas' interprets on CPU)")
+  p.add_argument('--quick', action='store_true',
+                 help='a smoke run: llama-tiny only, 3 samples of 2 calls')
+  p.add_argument('--out', default=None,
+                 help=f'output folder (default {OUT}; runs/ with --quick)')
   args = p.parse_args(argv)
+  if args.quick:
+    args.trees, args.repeats, args.number = ['llama-tiny'], 3, 2
+  args.out = args.out or (QUICK_OUT if args.quick else OUT)
   t0 = time.perf_counter()
-  print(f'jax {jax.__version__} on {jax.devices()[0].platform} '
-        f'({os.cpu_count()} CPU cores); times are CPU times.', flush=True)
+  platform = jax.devices()[0].platform
+  print(f'jax {jax.__version__} on {platform} ({os.cpu_count()} CPU cores, '
+        f'{jax.devices()[0].device_kind}); default select on {platform}: '
+        f'{topk.AUTO_SELECT.get(platform, "threshold")}.', flush=True)
   rows = []
   for name in args.trees:
-    rows += bench_tree(name, args.densities, args.repeats)
+    rows += bench_tree(name, args.densities, args.repeats, args.number,
+                       args.selects)
   elapsed = time.perf_counter() - t0
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, 'optimizer_overhead.csv'), 'w',
@@ -217,7 +329,9 @@ def main(argv=None):
     json.dump({'meta': {
         'command': ' '.join(['python', 'bench/optimizer_overhead.py'] + (
             sys.argv[1:] if argv is None else argv)),
-        'jax': jax.__version__, 'device': 'cpu', 'cpu_count': os.cpu_count(),
+        'jax': jax.__version__, 'device': platform,
+        'device_kind': jax.devices()[0].device_kind,
+        'cpu_count': os.cpu_count(),
         'wall_s': elapsed}, 'rows': rows}, f, indent=1)
   command = ' '.join(['python', 'bench/optimizer_overhead.py'] + (
       sys.argv[1:] if argv is None else argv))

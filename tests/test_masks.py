@@ -69,3 +69,28 @@ def test_auto_encoding_sends_the_smaller_mask():
   x = jnp.arange(lay.size, dtype=jnp.float32).reshape(-1, 7)
   np.testing.assert_array_equal(
       np.asarray(lay.from_chunks(lay.to_chunks(x), x.shape)), np.asarray(x))
+
+
+@pytest.mark.parametrize('c, k', [(1, 1), (31, 5), (32, 32), (33, 10),
+                                  (1000, 1), (1000, 999), (5000, 37)])
+def test_words_to_offsets_and_back_match_the_bit_versions(c, k):
+  rng = np.random.default_rng(c + k)
+  bits = np.zeros((3, c), bool)
+  for row in bits:
+    row[rng.choice(c, k, replace=False)] = True
+  words = masks.pack_bits(jnp.asarray(bits))
+  offsets = np.asarray(masks.words_to_offsets(words, k))
+  np.testing.assert_array_equal(offsets,
+                                np.stack([np.flatnonzero(r) for r in bits]))
+  np.testing.assert_array_equal(
+      np.asarray(masks.offsets_to_words(jnp.asarray(offsets), c)),
+      np.asarray(words))
+
+
+def test_chunk_topk_ranks_magnitudes_and_puts_nan_first():
+  scores = jnp.array([1.0, jnp.nan, -3.0, jnp.inf, -0.0, 2.0])
+  valid = jnp.ones(6, bool)
+  for width, k, chosen in [(6, 2, [1, 3]), (3, 2, [1, 3]), (3, 3, [1, 2, 3])]:
+    bits = np.asarray(masks.chunk_topk_bits(scores, valid, width,
+                                            jnp.int32(k)))
+    assert np.flatnonzero(bits).tolist() == chosen

@@ -326,6 +326,64 @@ def test_state_type_is_stable_and_init_is_abstract():
   assert shapes[0].mask['w'].shape == (8, 1)  # 128 / 8 = 16 bits -> 1 word
 
 
+def _run_single(tx, params, grads):
+  """One worker (axis_name=None), no shard_map: every state after each step."""
+  state, out = tx.init(params), []
+  update = jax.jit(tx.update)
+  for g in grads:
+    u, state = update(jax.tree.map(lambda x: x[0], g), state, params)
+    params = optax.apply_updates(params, u)
+    out.append(jax.tree.leaves((params, state)))
+  return out
+
+
+def test_every_select_gives_the_same_masks_and_updates():
+  # The sort path and the sort-free jnp path on 4 workers, and with the
+  # Pallas kernels on one worker (Pallas' interpreter, which runs them on
+  # CPU, does not support shard_map's varying types): the same states to the
+  # last bit, over a density warmup. (The encodings decode to the same
+  # offsets whatever the select: test_bitmap_and_indices_agree.)
+  encoding = 'indices'
+  params = _params(4, {'w': (40, 25), 'v': (7, 300), 'b': (25,)})
+  grads = _worker_grads(params, 4, 3, seed=5)
+  schedule = scape_jax.DensitySchedule(0.1, 2)
+  runs = []
+  for select in ('sort', 'threshold'):
+    run = Runner(scape_jax.scape(1e-2, density=schedule,
+                                 mask_encoding=encoding, select=select),
+                 params, 4)
+    for i, g in enumerate(grads):
+      run.step(g, schedule.level(i))
+    runs.append(jax.tree.leaves((run.params, run.state)))
+  for x, y in zip(*runs):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  single = [_run_single(scape_jax.scape(
+      1e-2, density=schedule, axis_name=None, mask_encoding=encoding,
+      select=select), params, grads) for select in ('sort', 'pallas')]
+  for x, y in zip(jax.tree.leaves(single[0]), jax.tree.leaves(single[1])):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_pallas_select_lowers_the_update_for_cuda():
+  params = _params(0, {'w': (64, 40), 'b': (40,)})
+  tx = scape_jax.scape(1e-2, density=0.1, select='pallas')
+  mesh = _mesh(4)
+  with jax.set_mesh(mesh):
+    state = tx.init(params)
+  specs = scape_jax.state_partition_specs(state)
+  step = jax.jit(jax.shard_map(
+      lambda p, s, g: tx.update(jax.tree.map(lambda x: x[0], g), s, p,
+                                density_level=1),
+      mesh=mesh, in_specs=(P(), specs, P('data')), out_specs=(P(), specs)))
+  put = lambda x, spec: jax.device_put(x, jax.tree.map(
+      lambda s: NamedSharding(mesh, s), spec))
+  grads = put(_worker_grads(params, 4, 1)[0], P('data'))
+  text = step.trace(put(params, P()), put(state, specs), grads).lower(
+      lowering_platforms=('cuda',)).as_text()
+  assert '__gpu$xla.gpu.triton' in text
+  assert 'scape_count_at_least' in text and 'scape_threshold_mask_words' in text
+
+
 @pytest.mark.parametrize('density', [0.0, -0.1, 1.5])
 def test_rejects_density_outside_unit_interval(density):
   with pytest.raises(ValueError, match=r'density=.*\(0, 1\]'):
@@ -353,3 +411,8 @@ def test_rejects_unknown_variant():
 def test_rejects_bad_mask_encoding():
   with pytest.raises(ValueError, match="mask_encoding='zip'"):
     scape_jax.scape(1e-2, density=0.1, mask_encoding='zip')
+
+
+def test_rejects_bad_select():
+  with pytest.raises(ValueError, match=r"select='heap'.*'threshold'"):
+    scape_jax.scape(1e-2, density=0.1, select='heap')

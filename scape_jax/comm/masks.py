@@ -8,7 +8,8 @@ of `c` bits packed into little-endian uint32 words; on the wire it is sent
 either as that bitmap or as `k` int32 offsets within the chunk, whichever is
 smaller (`docs/design.md` section 3).
 
-These are the pure-jnp reference implementations.
+All of this is pure jnp. The fast top-k selection is `comm.topk`; the
+Pallas kernels for packing and selection are in `scape_jax.kernels`.
 """
 
 import dataclasses
@@ -18,6 +19,8 @@ from typing import Tuple
 
 import jax
 import jax.numpy as jnp
+
+from scape_jax.kernels.topk_mask import PAD_KEY, as_float_key, magnitude_key
 
 ENCODINGS = ('auto', 'bitmap', 'indices')
 
@@ -104,12 +107,54 @@ def offsets_to_bits(offsets: jax.Array, c: int) -> jax.Array:
   return bits.reshape(*offsets.shape[:-1], c)
 
 
+def words_to_offsets(words: jax.Array, k: int) -> jax.Array:
+  """uint32[n, w] bitmaps with exactly k set bits per row -> int32[n, k]
+  ascending offsets; `bits_to_offsets(unpack_bits(words, c), k)` without a
+  pass over the c bits.
+
+  The j-th set bit lies in the last word whose exclusive prefix popcount is
+  <= j; its position inside that word is found by a 5-step binary search on
+  popcounts. The work is O(w + k) per row, not O(c).
+  """
+  n, w = words.shape
+  count = jax.lax.population_count(words).astype(jnp.int32)
+  before = jnp.cumsum(count, axis=1) - count  # set bits in earlier words
+  rows = jnp.arange(n)[:, None]
+  starts = jnp.zeros((n, k + 1), jnp.int32).at[
+      rows, jnp.minimum(before, k)].add(1)
+  word = jnp.cumsum(starts[:, :k], axis=1) - 1  # word of the j-th set bit
+  rank = jnp.arange(k, dtype=jnp.int32) - jnp.take_along_axis(before, word, 1)
+  value = jnp.take_along_axis(words, word, 1)
+  position = jnp.zeros((n, k), jnp.int32)
+  for width in (16, 8, 4, 2, 1):
+    low = jax.lax.population_count(
+        value & jnp.uint32((1 << width) - 1)).astype(jnp.int32)
+    up = rank >= low
+    rank = jnp.where(up, rank - low, rank)
+    value = jnp.where(up, value >> width, value)
+    position = jnp.where(up, position + width, position)
+  return word * 32 + position
+
+
+def offsets_to_words(offsets: jax.Array, c: int) -> jax.Array:
+  """int32[n, k] distinct offsets < c -> uint32[n, ceil(c/32)] bitmaps."""
+  n = offsets.shape[0]
+  rows = jnp.arange(n)[:, None]
+  bit = jnp.uint32(1) << (offsets % 32).astype(jnp.uint32)
+  # Distinct offsets set distinct bits, so adding them is OR-ing them.
+  return jnp.zeros((n, -(-c // 32)), jnp.uint32).at[rows, offsets // 32].add(
+      bit)
+
+
 def chunk_topk_bits(scores: jax.Array, valid: jax.Array, width: int,
                     k: jax.Array) -> jax.Array:
-  """The k largest `scores` among `valid` positions of one chunk, as bits.
+  """The k entries of largest |scores| among `valid` positions, as bits.
+
+  The sort-based reference of `comm.topk.chunk_topk_words`: entries are
+  ranked by `kernels.topk_mask.magnitude_key` (|x|; every NaN above +-inf).
 
   Args:
-    scores: float[c], non-negative (|m~|).
+    scores: float[c]; the magnitude is ranked.
     valid: bool[c], False at padding; padding is chosen only after every real
       position, so a chunk with fewer than k real entries fills up with it.
     width: static top-k width, >= every k this call may receive.
@@ -119,9 +164,10 @@ def chunk_topk_bits(scores: jax.Array, valid: jax.Array, width: int,
     bool[c] with exactly k set bits. Ties go to the lower offset.
   """
   c = scores.shape[-1]
+  keys = jnp.where(valid, magnitude_key(scores), PAD_KEY)
   if width >= c:  # Dense: all positions in offset order of preference.
-    order = jnp.argsort(-jnp.where(valid, scores, -1.0), stable=True)
+    order = jnp.argsort(-keys, stable=True)
   else:
-    _, order = jax.lax.top_k(jnp.where(valid, scores, -1.0), width)
+    _, order = jax.lax.top_k(as_float_key(keys), width)
   keep = jnp.arange(order.shape[0]) < k
   return jnp.zeros((c,), bool).at[order].set(keep)

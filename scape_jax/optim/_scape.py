@@ -23,17 +23,12 @@ import numpy as np
 import optax
 
 from scape_jax.comm import masks
+from scape_jax.comm import topk
 from scape_jax.comm.axes import DATA
 from scape_jax.comm.collectives import all_gather_invariant, varying
 from scape_jax.optim import _common
+from scape_jax.optim import _scape_variants
 from scape_jax.optim._common import MaskOrFn, ScalarOrSchedule
-
-
-# The update rules `scale_by_scape` offers; all send the same bytes.
-#   'faithful': Algorithm 1 of the paper.
-#   'fresh': a coordinate whose first moment restarts from zero (it enters M
-#     with m_{t-1} = 0) is bias-corrected as at step 1 (docs/design.md).
-VARIANTS = ('faithful', 'fresh')
 
 
 class ScaleByScapeState(NamedTuple):
@@ -153,6 +148,7 @@ def scale_by_scape(
     compress: MaskOrFn = None,
     density_warmup_steps: int = 0,
     mask_encoding: str = 'auto',
+    select: str = 'auto',
     variant: str = 'faithful',
 ) -> optax.GradientTransformationExtraArgs:
   """SCAPE's exchange and AdamS direction from each worker's local gradients.
@@ -172,13 +168,14 @@ def scale_by_scape(
     density_warmup_steps: steps of the exponential warmup from density 1.
     mask_encoding: one of `masks.ENCODINGS`: 'auto' (the smaller of the
       two), 'bitmap' or 'indices'.
-    variant: one of `VARIANTS`. 'faithful' is Algorithm 1. 'fresh' changes
-      one thing: where the previous first moment is zero (a coordinate that
-      enters M after waiting outside it), the preconditioner is
-      `v = bbar**2 * (1 - b2**t) / (1 - b1**t)**2`, so that the coordinate
-      takes AdamS's first step, of size 1, instead of
-      `(1 - b1) / sqrt(1 - b2)` (0.45 at b2 = 0.95, 3.2 at 0.999). Same
-      collectives, bytes and state.
+    select: how the next mask's top-k is found, one of `topk.SELECTS`:
+      'auto' (`topk.AUTO_SELECT` for the platform the program is lowered
+      for), 'sort' (`lax.top_k`), 'threshold' (sort-free, jnp) or 'pallas'
+      (sort-free, Pallas kernels; GPU and TPU). All give the same bits.
+    variant: one of `_scape_variants.VARIANTS`: 'faithful' (Algorithm 1) or
+      'fresh' (a coordinate entering M with m_{t-1} = 0 takes AdamS's first
+      step, of size 1, instead of `(1 - b1) / sqrt(1 - b2)` times the bias
+      correction; docs/design.md). Same collectives, bytes and state.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`. `update` accepts the extra
@@ -206,11 +203,11 @@ def scale_by_scape(
   if mask_encoding not in masks.ENCODINGS:
     raise ValueError(f'scape: mask_encoding={mask_encoding!r}; allowed: '
                      f'{masks.ENCODINGS}.')
-  if variant not in VARIANTS:
-    raise ValueError(f'scape: variant={variant!r}; allowed: {VARIANTS}.')
+  topk.check_select(select, 'scape')
+  _scape_variants.check_variant(variant, 'scape')
   hyper = _Hyper(b1=b1, b2=b2, eps=eps, clip_norm=clip_norm,
                  axis_name=axis_name, encoding=mask_encoding, levels=levels,
-                 variant=variant)
+                 select=select, variant=variant)
 
   def init_fn(params):
     n, local = _common.axis_context('scape init', axis_name)
@@ -266,6 +263,7 @@ class _Hyper:
   axis_name: Optional[str]
   encoding: str
   levels: tuple
+  select: str
   variant: str = 'faithful'
 
 
@@ -283,15 +281,15 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
 
   moment = _semi_updated_moment(grad_leaves, mu, flat(state.residual),
                                 plan, hyper.b1)
-  offsets = _exchange_masks(flat(state.mask), plan, k_now, hyper)
-  bbar = _exchange_payload(moment, plan, offsets, hyper.axis_name)
-  bbar, gbar, residual = _reconstruct(moment, mu, bbar, plan, offsets,
+  global_masks = _exchange_masks(flat(state.mask), plan, k_now, hyper)
+  bbar = _exchange_payload(moment, plan, global_masks, hyper.axis_name)
+  bbar, gbar, residual = _reconstruct(moment, mu, bbar, plan, global_masks,
                                       hyper.b1)
   gbar = _clip(gbar, hyper.clip_norm)
   count = optax.safe_increment(state.count)
   direction = _direction(mu, bbar, gbar, count, hyper)
   own_mask = _next_own_masks(moment, plan, k_levels, level,
-                             schedule.level(state.count + 1), hyper.axis_name)
+                             schedule.level(state.count + 1), hyper)
 
   vary = functools.partial(varying, axis_name=hyper.axis_name)
   residual_sq = sum((jnp.sum(r * r) for r in residual if r is not None),
@@ -322,8 +320,14 @@ def _semi_updated_moment(grads, mu, residual, plan, b1):
   return moment
 
 
+class _GlobalMask(NamedTuple):
+  """One sparse leaf's mask in force, as gathered from every worker."""
+  offsets: jax.Array  # int32[N, k], ascending within each chunk
+  words: jax.Array  # uint32[N, ceil(c/32)], the same as chunk bitmaps
+
+
 def _exchange_masks(own_masks, plan, k_now, hyper) -> list:
-  """The mask all-gather: every worker's chunk mask -> offsets int32[N, k].
+  """The mask all-gather: every worker's chunk mask -> `_GlobalMask`.
 
   One uint32 buffer carries every sparse leaf's contribution (bitmap or
   offsets, `LeafLayout.encoding`). Dense leaves get None.
@@ -331,31 +335,31 @@ def _exchange_masks(own_masks, plan, k_now, hyper) -> list:
   sparse = [j for j in range(len(own_masks)) if plan.is_sparse(j, k_now[j])]
   wire = [_mask_to_wire(own_masks[j][0], plan.layouts[j], k_now[j],
                         hyper.encoding) for j in sparse]
-  offsets = [None] * len(own_masks)
+  global_masks = [None] * len(own_masks)
   if not wire:
-    return offsets
+    return global_masks
   buf = jnp.concatenate(wire)
   gathered = (buf[None] if hyper.axis_name is None else
               all_gather_invariant(buf, hyper.axis_name))
   for j, part in zip(sparse, _split(gathered, [x.shape[0] for x in wire])):
-    offsets[j] = _offsets_from_wire(part, plan.layouts[j], k_now[j],
-                                    hyper.encoding)
-  return offsets
+    global_masks[j] = _mask_from_wire(part, plan.layouts[j], k_now[j],
+                                      hyper.encoding)
+  return global_masks
 
 
-def _exchange_payload(moment, plan, offsets, axis_name):
+def _exchange_payload(moment, plan, global_masks, axis_name):
   """The payload all-reduce: the values of m~ at M, plus the dense leaves.
 
   Returns the mean over workers split per leaf (compacted for sparse leaves).
   """
-  payload = [mt.reshape(-1) if o is None else _compact(mt, layout, o)
-             for mt, layout, o in zip(moment, plan.layouts, offsets)]
+  payload = [mt.reshape(-1) if g is None else _compact(mt, layout, g.offsets)
+             for mt, layout, g in zip(moment, plan.layouts, global_masks)]
   flat = jnp.concatenate(payload)
   mean = flat if axis_name is None else jax.lax.pmean(flat, axis_name)
   return _split(mean, [x.size for x in payload])
 
 
-def _reconstruct(moment, mu, bbar_parts, plan, offsets, b1):
+def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1):
   """bbar at full shape, the mean gradient at M (Eq. 3) and the new residual.
 
   Outside M, bbar and gbar are zero and the residual keeps m~; dense leaves
@@ -363,9 +367,11 @@ def _reconstruct(moment, mu, bbar_parts, plan, offsets, b1):
   """
   bbar, gbar, residual = [], [], []
   for j, (mt, m, values) in enumerate(zip(moment, mu, bbar_parts)):
-    shape, layout = plan.shapes[j], plan.layouts[j]
-    if offsets[j] is not None:
-      b, in_mask = _scatter(values, layout, offsets[j], shape)
+    shape, layout, mask = plan.shapes[j], plan.layouts[j], global_masks[j]
+    if mask is not None:
+      b = _scatter(values, layout, mask.offsets, shape)
+      in_mask = layout.from_chunks(
+          masks.unpack_bits(mask.words, layout.chunk_size), shape)
       residual.append(jnp.where(in_mask, 0.0, mt)[None])
       gbar.append(jnp.where(in_mask, (b - b1 * m) / (1.0 - b1), 0.0))
     else:
@@ -391,36 +397,25 @@ def _direction(mu_prev, bbar, gbar, count, hyper):
   """The AdamS direction: v from the previous m and gbar, m = bbar."""
   nu = [hyper.b2 * m * m + (1.0 - hyper.b2) * g * g
         for m, g in zip(mu_prev, gbar)]
-  if hyper.variant == 'fresh':
-    nu = _restart_preconditioner(mu_prev, bbar, nu, count, hyper)
+  nu = _scape_variants.second_moment(hyper.variant, mu_prev, bbar, nu, count,
+                                     hyper.b1, hyper.b2)
   return _common.bias_corrected_direction(bbar, nu, count, b1=hyper.b1,
                                           b2=hyper.b2, eps=hyper.eps)
 
 
-def _restart_preconditioner(mu_prev, bbar, nu, count, hyper):
-  """Variant 'fresh': v where m_{t-1} = 0 makes the step AdamS's first, +-1.
-
-  With v = bbar**2 * c2 / c1**2 the bias-corrected direction is
-  `(bbar / c1) / (|bbar| / c1) = sign(bbar)`. Outside M bbar is 0 and so is
-  the direction, as in Algorithm 1; at step 1 this v equals AdamS's.
-  """
-  t = count.astype(jnp.float32)
-  ratio = (1.0 - hyper.b2**t) / (1.0 - hyper.b1**t)**2
-  return [jnp.where(m == 0, b * b * ratio, v)
-          for m, b, v in zip(mu_prev, bbar, nu)]
-
-
-def _next_own_masks(moment, plan, k_levels, level, next_level, axis_name):
+def _next_own_masks(moment, plan, k_levels, level, next_level, hyper):
   """The next step's chunk mask of this worker, per compressed leaf."""
-  worker = 0 if axis_name is None else jax.lax.axis_index(axis_name)
+  worker = (0 if hyper.axis_name is None else
+            jax.lax.axis_index(hyper.axis_name))
   return [None if layout is None else _next_own_mask(
       mt, layout, worker, k_levels[j], level,
-      jnp.asarray(k_levels[j], jnp.int32)[next_level])
+      jnp.asarray(k_levels[j], jnp.int32)[next_level], hyper.select)
           for j, (mt, layout) in enumerate(zip(moment, plan.layouts))]
 
 
 def _next_own_mask(mt: jax.Array, layout: masks.LeafLayout, worker,
-                   k_levels: tuple, level: int, next_k: jax.Array) -> jax.Array:
+                   k_levels: tuple, level: int, next_k: jax.Array,
+                   select: str) -> jax.Array:
   """Top-k of |m~| in chunk `worker`, used at the next step: uint32[1, w].
 
   `k_levels[level]` (static) is the top-k width; levels never increase, so
@@ -428,13 +423,14 @@ def _next_own_mask(mt: jax.Array, layout: masks.LeafLayout, worker,
   """
   chunk = layout.chunk_size
   if min(k_levels) == chunk:  # dense at every level
-    bits = jnp.ones((chunk,), bool)
-  else:
-    scores = jnp.abs(jax.lax.dynamic_index_in_dim(layout.to_chunks(mt), worker,
-                                                  0, False))
-    valid = worker * chunk + jnp.arange(chunk) < layout.size
-    bits = masks.chunk_topk_bits(scores, valid, k_levels[level], next_k)
-  return masks.pack_bits(bits)[None]
+    return masks.pack_bits(jnp.ones((1, chunk), bool))
+  flat = mt.reshape(-1)
+  if layout.padded > layout.size:
+    flat = jnp.pad(flat, (0, layout.padded - layout.size))
+  scores = jax.lax.dynamic_slice_in_dim(flat, worker * chunk, chunk)
+  num_valid = jnp.clip(layout.size - worker * chunk, 0, chunk)
+  return topk.chunk_topk_words(scores, num_valid, k_levels[level], next_k,
+                               select=select)[None]
 
 
 # ----------------------------------------------------------------------------
@@ -452,35 +448,42 @@ def _mask_to_wire(own: jax.Array, layout: masks.LeafLayout, k: int,
   """This worker's chunk bitmap as sent: the bitmap or k offsets (uint32)."""
   if layout.encoding(k, encoding) == 'bitmap':
     return own
-  offsets = masks.bits_to_offsets(masks.unpack_bits(own, layout.chunk_size),
-                                  k)
+  offsets = masks.words_to_offsets(own[None], k)[0]
   return jax.lax.bitcast_convert_type(offsets, jnp.uint32)
 
 
-def _offsets_from_wire(part: jax.Array, layout: masks.LeafLayout, k: int,
-                       encoding: str) -> jax.Array:
-  """Gathered masks [N, words] -> ascending offsets int32[N, k] per chunk."""
+def _mask_from_wire(part: jax.Array, layout: masks.LeafLayout, k: int,
+                    encoding: str) -> _GlobalMask:
+  """Gathered masks [N, words] -> offsets and bitmaps of every chunk."""
   if layout.encoding(k, encoding) == 'bitmap':
-    return masks.bits_to_offsets(masks.unpack_bits(part, layout.chunk_size),
-                                 k)
-  return jax.lax.bitcast_convert_type(part, jnp.int32)
+    return _GlobalMask(masks.words_to_offsets(part, k), part)
+  offsets = jax.lax.bitcast_convert_type(part, jnp.int32)
+  return _GlobalMask(offsets,
+                     masks.offsets_to_words(offsets, layout.chunk_size))
+
+
+def _flat_index(layout: masks.LeafLayout, offsets: jax.Array) -> jax.Array:
+  """Chunk offsets int32[N, k] -> flat offsets into the leaf, int32[N * k].
+
+  Offsets into the padding past the leaf come out >= layout.size.
+  """
+  starts = jnp.arange(layout.num_chunks, dtype=jnp.int32)[:, None]
+  return (starts * layout.chunk_size + offsets).reshape(-1)
 
 
 def _compact(mt: jax.Array, layout: masks.LeafLayout,
              offsets: jax.Array) -> jax.Array:
-  """The N*k values of m~ at the mask, chunk by chunk."""
-  return jnp.take_along_axis(layout.to_chunks(mt), offsets, axis=1).reshape(-1)
+  """The N*k values of m~ at the mask, chunk by chunk (0 at padding)."""
+  return mt.reshape(-1).at[_flat_index(layout, offsets)].get(
+      mode='fill', fill_value=0.0)
 
 
 def _scatter(values: jax.Array, layout: masks.LeafLayout, offsets: jax.Array,
-             shape) -> tuple:
-  """Compacted values -> (full-shape array zero outside M, bool mask M)."""
-  rows = jnp.arange(layout.num_chunks)[:, None]
-  grid = (layout.num_chunks, layout.chunk_size)
-  full = jnp.zeros(grid, values.dtype).at[rows, offsets].set(
-      values.reshape(offsets.shape))
-  in_mask = jnp.zeros(grid, bool).at[rows, offsets].set(True)
-  return layout.from_chunks(full, shape), layout.from_chunks(in_mask, shape)
+             shape) -> jax.Array:
+  """Compacted values -> full-shape array, zero outside M."""
+  full = jnp.zeros((layout.size,), values.dtype)
+  return full.at[_flat_index(layout, offsets)].set(
+      values, mode='drop').reshape(shape)
 
 
 def scape(
@@ -496,6 +499,7 @@ def scape(
     compress: MaskOrFn = None,
     density_warmup_steps: int = 0,
     mask_encoding: str = 'auto',
+    select: str = 'auto',
     weight_decay_mask: MaskOrFn = None,
     variant: str = 'faithful',
 ) -> optax.GradientTransformationExtraArgs:
@@ -512,7 +516,7 @@ def scape(
     density: fraction of each compressed leaf sent per step, in (0, 1], or a
       `DensitySchedule`.
     b1, b2, eps, clip_norm, axis_name, compress, density_warmup_steps,
-      mask_encoding, variant: see `scale_by_scape`.
+      mask_encoding, select, variant: see `scale_by_scape`.
     weight_decay: decoupled weight-decay strength.
     weight_decay_mask: optional tree or callable of bools selecting the leaves
       that get weight decay.
@@ -527,7 +531,8 @@ def scape(
       scale_by_scape(density, b1=b1, b2=b2, eps=eps, clip_norm=clip_norm,
                      axis_name=axis_name, compress=compress,
                      density_warmup_steps=density_warmup_steps,
-                     mask_encoding=mask_encoding, variant=variant),
+                     mask_encoding=mask_encoding, select=select,
+                     variant=variant),
       optax.add_decayed_weights(weight_decay, weight_decay_mask),
       optax.scale_by_learning_rate(learning_rate),
   )

@@ -177,6 +177,7 @@ class ScapeConfig:
   density: float = 0.01  # Fraction of each compressed leaf sent, in (0, 1].
   density_warmup_steps: int = 0  # Exponential warmup from density 1.
   mask_encoding: str = 'auto'  # One of comm.masks.ENCODINGS.
+  select: str = 'auto'  # Top-k of the next mask, one of comm.topk.SELECTS.
   variant: str = 'faithful'  # 'faithful' (Alg. 1) or 'fresh' (docs/design.md).
 
 
@@ -188,7 +189,7 @@ def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
       weight_decay=cfg.weight_decay,
       clip_norm=cfg.clip_norm if cfg.clip_norm > 0 else None,
       axis_name=ctx.axis_name, mask_encoding=section.mask_encoding,
-      variant=section.variant)
+      select=section.select, variant=section.variant)
   return Built(tx, lambda step: {'density_level': schedule.level(step)})
 
 

@@ -1,0 +1,429 @@
+"""Exact top-k chunk masks, by sorting or by a sort-free threshold search.
+
+`chunk_topk_words(scores, num_valid, width, k, select=...)` returns the
+packed bitmap (`masks.pack_bits` layout) of the k entries of largest
+magnitude among the first `num_valid` of a chunk. Every `select` gives the
+same bits:
+
+  * entries are ranked by `kernels.topk_mask.magnitude_key`, i.e. by |x|;
+    -0.0 ties +0.0, denormals rank between 0 and the normals, +-inf above
+    every finite value and every NaN above +-inf (NaNs tie with each other).
+    A NaN in m~ is therefore sent, not kept in the residual, so it reaches
+    the synchronized moment and every worker's update at the next step;
+  * ties go to the lower offset;
+  * offsets >= num_valid (padding) rank below every real entry, so they are
+    chosen only when the chunk has fewer than k real entries;
+  * exactly k bits are set, 1 <= k <= width <= c; k may be traced.
+
+Selections (`SELECTS`):
+
+  * 'sort': `lax.top_k` (or a stable argsort when width = c) on the keys.
+    XLA sorts the whole operand for large k.
+  * 'threshold': pure jnp. The k-th largest key T is bracketed by counting
+    passes, each a fused compare-and-count of the chunk against two
+    thresholds: sampled keys around the sample's estimate of T first, then
+    where the line through the bracket's counts (linear in |x|) reaches k,
+    with a margin that widens after a miss, and after two passes without
+    progress a ternary split of the key range (`_search`). Once at most
+    `FINISH` candidates are left, the rows that hold them are gathered and
+    sorted. Ties at T are cut at the offset where the count of chosen ties
+    reaches k, and one mask pass emits the packed words. A handful of passes
+    on smooth data (`tests/test_topk.py` bounds them).
+  * 'pallas': the same search with the counting and mask passes as Pallas
+    kernels (`scape_jax.kernels.topk_mask`); Triton on GPU, Mosaic on TPU.
+  * 'auto': `AUTO_SELECT[platform]`, resolved when the program is lowered
+    (`jax.lax.platform_dependent`), so a program lowered for another
+    platform gets that platform's choice.
+"""
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scape_jax.kernels import topk_mask
+from scape_jax.kernels.topk_mask import NAN_KEY, PAD_KEY, ROW, magnitude_key
+
+SELECTS = ('auto', 'sort', 'threshold', 'pallas')
+# The default per lowering platform ('auto'). The Pallas kernels lower for
+# cuda and tpu but have not been timed on either (docs/design.md).
+AUTO_SELECT = {'cpu': 'threshold', 'cuda': 'threshold', 'rocm': 'threshold',
+               'tpu': 'threshold'}
+SAMPLE = 1 << 14  # sampled keys that steer the first passes
+FINISH = 512  # keys left in the bracket when their rows are gathered and sorted
+_FILL_KEY = PAD_KEY - 1  # below every key: rows gathered past the chunk
+
+
+def check_select(select: str, where: str) -> None:
+  if select not in SELECTS:
+    raise ValueError(f'{where}: select={select!r}; allowed: {SELECTS}.')
+
+
+def chunk_topk_words(scores: jax.Array, num_valid, width: int, k, *,
+                     select: str = 'auto') -> jax.Array:
+  """The k entries of largest |scores| in one chunk, as a packed bitmap.
+
+  Args:
+    scores: float[c]; the magnitude is ranked (the sign is ignored).
+    num_valid: int (may be traced); offsets >= num_valid are padding.
+    width: static upper bound on k, 1 <= width <= c (the 'sort' top-k
+      width; a larger k gives wrong bits there).
+    k: int32 scalar (may be traced), 1 <= k <= width.
+    select: one of `SELECTS`.
+
+  Returns:
+    uint32[ceil(c / 32)]: bit i (word i // 32, bit i % 32) set for the
+    chosen offsets; exactly k bits.
+  """
+  check_select(select, 'chunk_topk_words')
+  c = scores.shape[0]
+  if not 1 <= width <= c:
+    raise ValueError(f'chunk_topk_words: width={width} must be in [1, {c}].')
+  k = jnp.asarray(k, jnp.int32)
+  num_valid = jnp.asarray(num_valid, jnp.int32)
+  if select == 'auto':
+    choices = sorted(set(AUTO_SELECT.values()))
+    if len(choices) == 1:
+      select = choices[0]
+    else:
+      branches = {p: _bound(s, width) for p, s in AUTO_SELECT.items()}
+      return jax.lax.platform_dependent(
+          scores, num_valid, k, default=_bound('threshold', width),
+          **branches)
+  return _bound(select, width)(scores, num_valid, k)
+
+
+def _bound(select: str, width: int) -> Callable:
+  if select == 'sort':
+    return lambda x, n, k: sort_topk_words(x, n, width, k)
+  return lambda x, n, k: threshold_topk_words(
+      x, n, k, use_pallas=select == 'pallas')
+
+
+# ----------------------------------------------------------------------------
+# 'sort'
+
+
+def sort_topk_words(scores, num_valid, width: int, k) -> jax.Array:
+  """The 'sort' selection: `lax.top_k` (argsort at full width) on the keys."""
+  c = scores.shape[0]
+  keys = _keys(scores, num_valid)
+  if width >= c:
+    order = jnp.argsort(-keys, stable=True)  # keys >= -1: no overflow
+  else:
+    _, order = jax.lax.top_k(topk_mask.as_float_key(keys), width)
+  bits = jnp.zeros((c,), bool).at[order].set(jnp.arange(order.shape[0]) < k)
+  return _pack(bits)
+
+
+def _keys(scores, num_valid):
+  index = jnp.arange(scores.shape[0], dtype=jnp.int32)
+  return jnp.where(index < num_valid, magnitude_key(scores), PAD_KEY)
+
+
+def _pack(bits):
+  c = bits.shape[0]
+  words = -(-c // 32)
+  bits = jnp.pad(bits, (0, 32 * words - c)).reshape(words, 32)
+  return jnp.sum(bits.astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32),
+                 axis=1, dtype=jnp.uint32)
+
+
+# ----------------------------------------------------------------------------
+# 'threshold' and 'pallas': the passes over the chunk.
+
+
+class _Passes(NamedTuple):
+  """The full-size passes of the threshold search over one chunk.
+
+  The chunk is seen as `rows` rows of ROW entries; offsets at or past
+  num_valid, and the rows' zero tail, hold PAD_KEY. `count(lo, hi)` gives
+  per row the keys >= lo and >= hi (int32[rows, 2]); `row_keys(r)` the keys
+  of rows r (int32[n, ROW], `_FILL_KEY` for r >= rows); `emit(lo, hi, cut)`
+  the packed words of the keys >= hi and of those in [lo, hi) at offsets
+  < cut. Keys are recomputed from the chunk in every pass rather than
+  stored: a pass then reads the chunk once and writes nothing of its size.
+  """
+  rows: int
+  sample: jax.Array  # int32[S], sampled keys, descending
+  count: Callable
+  row_keys: Callable
+  emit: Callable
+
+
+def _passes(scores, num_valid, use_pallas: bool) -> _Passes:
+  """The passes in jnp, or as Pallas kernels (interpreted on CPU)."""
+  c = scores.shape[0]
+  x = topk_mask.as_rows(scores, topk_mask.BLOCK_ROWS if use_pallas else 1)
+
+  def row_keys(r):
+    rows = x.at[r].get(mode='fill', fill_value=0.0)
+    index = r[:, None] * ROW + jnp.arange(ROW, dtype=jnp.int32)
+    keys = jnp.where(index < num_valid, magnitude_key(rows), PAD_KEY)
+    return jnp.where((r < x.shape[0])[:, None], keys, _FILL_KEY)
+
+  if use_pallas:
+    flat = x.reshape(-1)
+    count = lambda lo, hi: topk_mask.count_at_least(flat, num_valid,
+                                                    jnp.stack([lo, hi]))
+    emit = lambda lo, hi, cut: topk_mask.threshold_mask_words(
+        flat, num_valid, lo, hi, cut)[:-(-c // 32)]
+  else:
+    count = lambda lo, hi: _jnp_count(x, num_valid, lo, hi)
+    emit = lambda lo, hi, cut: _jnp_emit(x, num_valid, lo, hi, cut)[
+        :-(-c // 32)]
+  return _Passes(x.shape[0], _sample(scores, num_valid), count, row_keys,
+                 emit)
+
+
+def _row_major_keys(x, num_valid):
+  """Keys of the rows x: PAD_KEY at offsets >= num_valid."""
+  row = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+  lane = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+  full, part = num_valid // ROW, num_valid % ROW
+  valid = (row < full) | ((row == full) & (lane < part))
+  return jnp.where(valid, magnitude_key(x), PAD_KEY)
+
+
+def _jnp_count(x, num_valid, lo, hi):
+  """Per row, the keys >= lo and >= hi: int32[rows, 2]."""
+  # `never` is False (lo >= PAD_KEY), but XLA cannot know: the keys depend
+  # on the probes, so XLA cannot hoist them (or the offsets) out of the
+  # search loop into stored full-size int32 arrays. Recomputing them in
+  # every pass is cheaper on CPU. (A select moves bits: denormals survive,
+  # unlike x + 0.)
+  never = lo < PAD_KEY
+  keys = _row_major_keys(jnp.where(never, 0.0, x),
+                         jnp.where(never, 0, num_valid))
+  # Both 0/1 counts in one uint16 (low and high byte): a row of ROW = 128
+  # overflows neither. XLA:CPU reduces narrow integer sums several times
+  # faster than int32 ones.
+  both = ((keys >= lo).astype(jnp.uint16)
+          | ((keys >= hi).astype(jnp.uint16) << 8))
+  per_row = jnp.sum(both, axis=1, dtype=jnp.uint16).astype(jnp.int32)
+  return jnp.stack([per_row & 0xFF, per_row >> 8], axis=1)
+
+
+def _jnp_emit(x, num_valid, lo, hi, cut):
+  keys = _row_major_keys(x, num_valid)
+  index = (jax.lax.broadcasted_iota(jnp.int32, x.shape, 0) * ROW
+           + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1))
+  chosen = (keys >= hi) | ((keys >= lo) & (index < cut))
+  return _pack(chosen.reshape(-1))
+
+
+def _sample(scores, num_valid):
+  """Keys of the chunk (all of them when there are at most SAMPLE; else a
+  fixed pseudo-random sample, which no period in the data can alias),
+  descending. It only steers the search."""
+  c = scores.shape[0]
+  index = np.arange(c, dtype=np.int32)
+  if c > SAMPLE:
+    index = np.sort(np.random.default_rng(c).integers(0, c, SAMPLE,
+                                                      dtype=np.int32))
+  keys = jnp.where(index < num_valid, magnitude_key(scores[index]), PAD_KEY)
+  return -jnp.sort(-keys)
+
+
+def threshold_topk_words(scores, num_valid, k, *,
+                         use_pallas: bool = False) -> jax.Array:
+  """The 'threshold' ('pallas' with `use_pallas`) selection."""
+  passes = _passes(scores, num_valid, use_pallas)
+  bracket = _search(passes, scores.shape[0], k)
+  lo, hi, cut = _finish(passes, bracket, k)
+  return passes.emit(lo, hi, cut)
+
+
+# ----------------------------------------------------------------------------
+# The search. A bracket (lo, hi, c_lo, c_hi) holds the k-th largest key T:
+# c_lo = #{key >= lo} >= k > c_hi = #{key >= hi}, so lo <= T < hi.
+
+
+class _Bracket(NamedTuple):
+  lo: jax.Array
+  hi: jax.Array
+  c_lo: jax.Array
+  c_hi: jax.Array
+
+
+def _open(b: _Bracket, k) -> jax.Array:
+  """Whether another counting pass is needed."""
+  return ((b.hi - b.lo > 1) & (b.c_lo > k)
+          & (b.c_lo - b.c_hi > FINISH))
+
+
+def _probe(passes: _Passes, b: _Bracket, k, low, high) -> _Bracket:
+  """Counts keys >= two thresholds (low <= high) in one pass; narrows b."""
+  low = jnp.clip(low, b.lo + 1, b.hi - 1)
+  high = jnp.clip(high, low, b.hi - 1)
+  c_low, c_high = jnp.sum(passes.count(low, high), axis=0)
+  return _Bracket(
+      lo=jnp.where(c_high >= k, high, jnp.where(c_low >= k, low, b.lo)),
+      hi=jnp.where(c_high >= k, b.hi, jnp.where(c_low >= k, high, low)),
+      c_lo=jnp.where(c_high >= k, c_high, jnp.where(c_low >= k, c_low,
+                                                    b.c_lo)),
+      c_hi=jnp.where(c_high >= k, b.c_hi, jnp.where(c_low >= k, c_high,
+                                                    c_low)))
+
+
+def _value(key):
+  """A key as the float |x| it stands for (clamped to the finite range)."""
+  return jax.lax.bitcast_convert_type(jnp.clip(key, 0, 0x7F7FFFFF),
+                                      jnp.float32)
+
+
+def _line_probes(b: _Bracket, k, spread):
+  """Where the line through (|x| at lo, c_lo) and (|x| at hi, c_hi) reaches
+  the counts k + spread and k - spread. Linear in |x| rather than in the
+  key, which is logarithmic in |x| across binades and the same within one."""
+  m = (b.c_lo - b.c_hi).astype(jnp.float32)
+  low_value, high_value = _value(b.lo), _value(b.hi)
+
+  def at(rank):
+    frac = jnp.clip((b.c_lo - rank) / m, 0.0, 1.0)
+    value = jnp.maximum(low_value + frac * (high_value - low_value), 0.0)
+    return jax.lax.bitcast_convert_type(value, jnp.int32)
+
+  return at(k + spread), at(k - spread)
+
+
+def _sample_probes(sample, c: int, b: _Bracket, k):
+  """Sampled keys around the sample's estimate of T inside the bracket
+  (the empirical distribution, anchored at the bracket's exact counts), and
+  whether the bracket holds enough of the sample for that."""
+  s = sample.shape[0]
+  if s == c:  # The sample is the chunk: T is known.
+    t = sample[jnp.clip(k - 1, 0, s - 1)]
+    return t, t + 1, jnp.bool_(True)
+  above = jnp.sum(sample >= b.hi)  # the sample is descending
+  inside = jnp.sum(sample >= b.lo) - above
+  frac = (k - b.c_hi).astype(jnp.float32) / (b.c_lo - b.c_hi).astype(
+      jnp.float32)
+  rank = above + frac * inside
+  margin = 1.5 * jnp.sqrt(inside * frac * (1.0 - frac)) + 1.0
+
+  def at(position):  # a sampled key inside the bracket
+    return sample[jnp.clip(position.astype(jnp.int32), above,
+                           above + inside - 1)]
+
+  return (at(jnp.ceil(rank + margin)), at(jnp.floor(rank - margin)) + 1,
+          inside >= 16)
+
+
+def _search(passes: _Passes, c: int, k) -> _Bracket:
+  """Narrows the bracket until T is pinned (hi = lo + 1), every key in it
+  is taken (c_lo = k) or at most FINISH keys are left in it. Each step is
+  one counting pass with two probes:
+
+    * sampled keys around the sample's estimate of T, while the bracket
+      holds at least 16 of them (a heavy tie in the sample pins T at once);
+    * then where the line through the bracket's counts (in |x|) reaches
+      k -+ twice the square root of the keys left, a margin that grows
+      fourfold after each pass whose probes missed T;
+    * after two passes that halved neither the keys left nor the key range,
+      a ternary split of the key range, so that no input takes more than
+      about 60 passes.
+  """
+  # full_like: the loop state takes the data's shard_map type.
+  like = passes.sample[0]
+  start = _Bracket(*(jnp.full_like(like, v) for v in (
+      PAD_KEY, NAN_KEY + 1, passes.rows * ROW, 0)))
+
+  def step(carry):
+    b, stalls, widen = carry
+    sample_low, sample_high, sampled = _sample_probes(passes.sample, c, b, k)
+    spread = widen * (2.0 * jnp.sqrt((b.c_lo - b.c_hi).astype(jnp.float32))
+                      + 1.0)
+    line_low, line_high = _line_probes(b, k, spread)
+    third = (b.hi - b.lo) // 3
+    modes = [stalls >= 2, sampled]
+    low = jnp.select(modes, [b.lo + third, sample_low], line_low)
+    high = jnp.select(modes, [b.hi - third, sample_high], line_high)
+    new = _probe(passes, b, k, low, high)
+    progress = ((2 * (new.c_lo - new.c_hi) <= b.c_lo - b.c_hi)
+                | (2 * (new.hi - new.lo) <= b.hi - b.lo))
+    straddled = (new.lo != b.lo) & (new.hi != b.hi)  # T between the probes
+    return (new, jnp.where(progress, 0, stalls + 1),
+            jnp.where(straddled, 1.0, 4.0 * widen))
+
+  last, _, _ = jax.lax.while_loop(
+      lambda carry: _open(carry[0], k), step,
+      (start, jnp.zeros_like(like), jnp.full_like(like, 1.0, jnp.float32)))
+  return last
+
+
+def _finish(passes: _Passes, b: _Bracket, k):
+  """(lo, hi, cut) for the mask pass: all keys >= hi, and the keys in
+  [lo, hi) at offsets < cut; exactly k in all."""
+  every = jnp.full_like(b.lo, passes.rows * ROW)
+  case = jnp.where(b.c_lo == k, 0, jnp.where(b.c_lo - b.c_hi <= FINISH, 1, 2))
+  return jax.lax.switch(case, [
+      lambda: (b.lo, b.hi, every),  # [lo, hi) is taken whole
+      lambda: _candidates(passes, b, k),  # few keys left: sort them
+      lambda: (b.lo, b.hi, _tie_cut(passes, b, k)),  # hi = lo + 1 = T + 1
+  ])
+
+
+def _tie_cut(passes: _Passes, b: _Bracket, k) -> jax.Array:
+  """The offset just past the (k - c_hi)-th key in [lo, hi), by offset."""
+  need = k - b.c_hi
+  counts = passes.count(b.lo, b.hi)
+  row, before = _locate(counts[:, 0] - counts[:, 1], need)
+  keys = passes.row_keys(row[None])[0]
+  lane, _ = _locate(((keys >= b.lo) & (keys < b.hi)).astype(jnp.int32),
+                    need - before)
+  return row * ROW + lane + 1
+
+
+def _candidates(passes: _Passes, b: _Bracket, k):
+  """T and its tie cut from the rows holding the <= FINISH keys in [lo, hi)."""
+  counts = passes.count(b.lo, b.hi)
+  rows = _first_nonzero(counts[:, 0] - counts[:, 1], FINISH)
+  keys = passes.row_keys(rows).reshape(-1)  # ascending offsets
+  candidates = jnp.where((keys >= b.lo) & (keys < b.hi), keys, _FILL_KEY)
+  t = -jnp.sort(-candidates)[k - b.c_hi - 1]
+  need = k - b.c_hi - jnp.sum(candidates > t)
+  position, _ = _locate((candidates == t).astype(jnp.int32), need)
+  offset = rows[position // ROW] * ROW + position % ROW
+  return t, t + 1, offset + 1
+
+
+def _locate(counts: jax.Array, need) -> tuple:
+  """(i, sum(counts[:i])) for the first i with sum(counts[:i + 1]) >= need.
+
+  Without a cumulative sum over the whole vector: groups of ROW entries are
+  summed, the group is located among the group sums, then the entry inside
+  it, each by a ROW x ROW triangular sum.
+  """
+  n = counts.shape[0]
+  if n > ROW:
+    groups = jnp.pad(counts, (0, -n % ROW)).reshape(-1, ROW)
+    group, before = _locate(jnp.sum(groups, axis=1), need)
+    inner, more = _locate(jax.lax.dynamic_index_in_dim(groups, group, 0,
+                                                       False), need - before)
+    return group * ROW + inner, before + more
+  counts = jnp.pad(counts, (0, ROW - n))
+  lane = jnp.arange(ROW)
+  prefix = jnp.sum(jnp.where(lane[None, :] <= lane[:, None], counts[None, :],
+                             0), axis=1)  # inclusive
+  i = jnp.sum(prefix < need).astype(jnp.int32)
+  return i, jnp.where(i > 0, prefix[jnp.maximum(i - 1, 0)], 0)
+
+
+def _first_nonzero(counts: jax.Array, size: int) -> jax.Array:
+  """The ascending indices of the first `size` nonzero counts (n past them).
+
+  A stable sort of (count == 0) for short vectors; longer ones first find
+  the groups of ROW entries that hold them, so nothing long is sorted.
+  """
+  n = counts.shape[0]
+  if n <= 128 * ROW:
+    order = jnp.argsort(counts == 0, stable=True)[:size].astype(jnp.int32)
+    return jnp.where(counts[order] != 0, order, n)
+  groups = jnp.pad(counts, (0, -n % ROW)).reshape(-1, ROW)
+  chosen = _first_nonzero(jnp.sum(groups, axis=1), size)
+  inner = groups.at[chosen].get(mode='fill', fill_value=0).reshape(-1)
+  index = (chosen[:, None] * ROW + jnp.arange(ROW, dtype=jnp.int32)).reshape(-1)
+  order = jnp.argsort(inner == 0, stable=True)[:size]
+  return jnp.where(inner[order] != 0, index[order], n)

@@ -1,0 +1,203 @@
+"""Exact chunk top-k: the sort-free selections against the sort path and NumPy."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scape_jax.comm import masks, topk
+
+NAN_KEY = 0x7F800001
+
+
+def _numpy_words(x, num_valid, k):
+  """Independent reference: stable argsort of -key, packed little-endian."""
+  c = x.size
+  key = (np.abs(x).astype(np.float32).view(np.int32) & 0x7FFFFFFF)
+  key = np.minimum(key, NAN_KEY).astype(np.int64)
+  key[np.arange(c) >= num_valid] = -1  # padding after every real entry
+  bits = np.zeros(-(-c // 32) * 32, bool)
+  bits[np.argsort(-key, kind='stable')[:k]] = True
+  return np.packbits(bits, bitorder='little').view('<u4')
+
+
+@functools.cache
+def _selector(select, width=None):
+  """One jitted program per chunk size: num_valid and k are traced."""
+
+  def run(x, num_valid, k):
+    return topk.chunk_topk_words(x, num_valid, width or x.shape[0], k,
+                                 select=select)
+
+  return jax.jit(run)
+
+
+def _data(kind, c, rng):
+  x = rng.normal(size=c).astype(np.float32)
+  if kind == 'equal':
+    return np.full(c, -0.75, np.float32)
+  if kind == 'quantised':  # a few distinct magnitudes: heavy ties
+    return (np.round(x * 2) / 2).astype(np.float32)
+  if kind == 'zeros':  # mostly +-0.0, a few nonzero
+    return np.where(rng.random(c) < 0.03, x, np.where(x > 0, 0.0, -0.0)
+                    ).astype(np.float32)
+  if kind == 'denormal':
+    return (x * 1e-40).astype(np.float32)
+  return x
+
+
+def _cases(c):
+  """(num_valid, k): k = 1, k = chunk, densities, padded chunks."""
+  out = set()
+  for num_valid in {c, max(1, (2 * c) // 3)}:
+    for k in {1, c, max(1, c // 10), max(1, c // 100), num_valid,
+              min(c, num_valid + 1)}:
+      out.add((num_valid, k))
+  return sorted(out)
+
+
+@pytest.mark.parametrize('kind', ['normal', 'equal', 'quantised', 'zeros',
+                                  'denormal'])
+@pytest.mark.parametrize('c', [1, 37, 1000, 20_011, 70_000])
+def test_threshold_equals_sort_and_numpy(kind, c):
+  rng = np.random.default_rng(c)
+  x = _data(kind, c, rng)
+  for num_valid, k in _cases(c):
+    args = (jnp.asarray(x), jnp.int32(num_valid), jnp.int32(k))
+    got = np.asarray(_selector('threshold')(*args))
+    np.testing.assert_array_equal(got, _numpy_words(x, num_valid, k),
+                                  err_msg=f'{kind} c={c} n={num_valid} k={k}')
+    np.testing.assert_array_equal(got, np.asarray(_selector('sort')(*args)))
+
+
+def test_sort_path_equals_the_mask_reference_and_its_top_k_width():
+  # masks.chunk_topk_bits is the pre-existing top-k; with width < c it is
+  # lax.top_k, and k a traced prefix of that width (SCAPE's next level).
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=500).astype(np.float32)
+  x[[3, 40, 77]] = 0.5  # ties
+  valid = np.arange(500) < 450
+  for width, k in [(500, 500), (60, 60), (60, 7), (1, 1)]:
+    bits = masks.chunk_topk_bits(jnp.asarray(x), jnp.asarray(valid), width,
+                                 jnp.int32(k))
+    expected = np.asarray(masks.pack_bits(bits))
+    np.testing.assert_array_equal(expected, _numpy_words(x, 450, k))
+    for select in ('sort', 'threshold'):
+      got = _selector(select, width)(jnp.asarray(x), jnp.int32(450),
+                                     jnp.int32(k))
+      np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+def test_nan_and_inf_rank_above_every_finite_value():
+  # Documented order: NaN (any sign or payload) > +-inf > finite, by |x|;
+  # ties (NaN with NaN, -inf with +inf) to the lower offset.
+  nan2 = np.array([0x7FC00123], np.uint32).view(np.float32)[0]  # a payload
+  x = np.array([1.0, np.nan, -np.inf, 3.0, -nan2, 0.0, np.inf, -5.0],
+               np.float32)
+  order = [1, 4, 2, 6, 7, 3, 0, 5]
+  for k in range(1, 9):
+    expected = np.zeros(32, bool)
+    expected[order[:k]] = True
+    expected = np.packbits(expected, bitorder='little').view('<u4')
+    for select in ('sort', 'threshold', 'pallas'):
+      got = _selector(select)(jnp.asarray(x), jnp.int32(8), jnp.int32(k))
+      np.testing.assert_array_equal(np.asarray(got), expected,
+                                    err_msg=f'{select} k={k}')
+    # lax.top_k (width < c) on the fp32 view of the keys, with padding.
+    got = _selector('sort', 7)(jnp.asarray(x), jnp.int32(8),
+                               jnp.int32(min(k, 7)))
+    expected = np.zeros(32, bool)
+    expected[order[:min(k, 7)]] = True
+    np.testing.assert_array_equal(
+        np.asarray(got), np.packbits(expected, bitorder='little').view('<u4'),
+        err_msg=f'top_k k={k}')
+
+
+def test_nan_and_inf_in_large_chunks():
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=30_000).astype(np.float32)
+  x[rng.choice(30_000, 300, replace=False)] = np.nan
+  x[rng.choice(30_000, 300, replace=False)] = -np.inf
+  for k in (1, 299, 300, 650, 3000):
+    got = _selector('threshold')(jnp.asarray(x), jnp.int32(30_000),
+                                 jnp.int32(k))
+    np.testing.assert_array_equal(np.asarray(got), _numpy_words(x, 30_000, k))
+
+
+@pytest.mark.parametrize('kind', ['normal', 'quantised', 'zeros'])
+def test_pallas_select_equals_threshold(kind):
+  # The Pallas kernels run in the interpreter on CPU.
+  rng = np.random.default_rng(7)
+  for c in (45, 5000):
+    x = _data(kind, c, rng)
+    for num_valid, k in _cases(c):
+      args = (jnp.asarray(x), jnp.int32(num_valid), jnp.int32(k))
+      np.testing.assert_array_equal(
+          np.asarray(_selector('pallas')(*args)),
+          np.asarray(_selector('threshold')(*args)))
+
+
+def test_auto_resolves_per_lowering_platform():
+  x = jnp.ones((100,))
+  words = topk.chunk_topk_words(x, 100, 10, 10)
+  assert int(jnp.sum(jax.lax.population_count(words))) == 10
+  for platform, choice in topk.AUTO_SELECT.items():
+    assert choice in topk.SELECTS and choice != 'auto', platform
+
+
+def test_rejects_bad_select_and_width():
+  with pytest.raises(ValueError, match=r"select='fast'.*allowed"):
+    topk.chunk_topk_words(jnp.ones(8), 8, 2, 2, select='fast')
+  with pytest.raises(ValueError, match=r'width=9 must be in \[1, 8\]'):
+    topk.chunk_topk_words(jnp.ones(8), 8, 9, 2)
+
+
+def test_chunk_over_two_million_takes_the_grouped_paths():
+  # Past 128 * 128 rows of 128 (2**21 entries) the candidate rows are found
+  # group by group (`_first_nonzero`'s long path): a chunk of llama-100m's
+  # size class at N=1.
+  c = (1 << 21) + 3001
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=c).astype(np.float32)
+  x[rng.random(c) < 0.2] = 0.25  # a heavy tie inside the top 10%
+  for num_valid, k in [(c, c // 10), (c - 5000, c // 100), (c, 7)]:
+    got = _selector('threshold')(jnp.asarray(x), jnp.int32(num_valid),
+                                 jnp.int32(k))
+    np.testing.assert_array_equal(np.asarray(got),
+                                  _numpy_words(x, num_valid, k),
+                                  err_msg=f'n={num_valid} k={k}')
+
+
+def _passes(x, k, monkeypatch):
+  """Counting passes over the chunk that the 'threshold' search makes."""
+  calls = []
+  count = topk._jnp_count
+
+  def counted(*args):
+    jax.debug.callback(lambda: calls.append(1))
+    return count(*args)
+
+  monkeypatch.setattr(topk, '_jnp_count', counted)
+  run = jax.jit(lambda x, k: topk.threshold_topk_words(x, x.shape[0], k))
+  words = run(jnp.asarray(x), jnp.int32(k))
+  jax.effects_barrier()
+  np.testing.assert_array_equal(np.asarray(words),
+                                _numpy_words(x, x.size, k))
+  return len(calls)
+
+
+@pytest.mark.parametrize('kind', ['normal', 'quantised', 'binades'])
+def test_the_search_needs_few_passes(kind, monkeypatch):
+  # The cost model of docs/design.md: a handful of counting passes on smooth
+  # data, and a bounded number on data made of a few heavy ties spread over
+  # many binades (the interpolation is useless there).
+  rng = np.random.default_rng(11)
+  c = 1 << 20
+  x = _data('normal' if kind == 'binades' else kind, c, rng)
+  if kind == 'binades':
+    x = np.ldexp(1.0, -rng.integers(0, 100, c)).astype(np.float32)
+  bound = 6  # 2 to 4 counting passes measured at these seeds
+  for k in (c // 10, c // 100, 1):
+    assert _passes(x, k, monkeypatch) <= bound, (kind, k)
