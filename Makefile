@@ -4,7 +4,7 @@ PY ?= python3
 CPU8 = JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8
 
 .PHONY: install install-hf install-eval test test-hf demo bench \
-	bench-network dry-run results eval-downstream fidelity
+	bench-network dry-run memory-table results eval-downstream fidelity
 
 install:
 	$(PY) -m pip install -q -r requirements.txt
@@ -40,7 +40,12 @@ dry-run:
 	  JAX_PLATFORMS=cpu $(PY) train.py --config configs/$$c.py --dry-run || exit 1; \
 	done
 
-# Same model, data and mesh under each method (one 300-step run each).
+# Device and host bytes of AdamS, SCAPE and SCAPE with the residual
+# offloaded, for the three cluster configs (docs/benchmarks.md, section 4).
+memory-table:
+	JAX_PLATFORMS=cpu $(PY) bench/memory_table.py
+
+# Same model, data and mesh under each method (about 10 minutes on 2 cores).
 results:
 	rm -rf runs/convergence
 	$(CPU8) $(PY) bench/convergence.py --steps 300

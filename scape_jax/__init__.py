@@ -17,6 +17,7 @@ from scape_jax.optim import RadiusSchedule
 from scape_jax.optim import ScaleByAdamSState
 from scape_jax.optim import ScaleByDemoState
 from scape_jax.optim import ScaleByRadiusState
+from scape_jax.optim import ScaleByScapeDistState
 from scape_jax.optim import ScaleByScapeState
 from scape_jax.optim import adams
 from scape_jax.optim import demo
@@ -27,8 +28,12 @@ from scape_jax.optim import scale_by_adams
 from scape_jax.optim import scale_by_demo
 from scape_jax.optim import scale_by_radius
 from scape_jax.optim import scale_by_scape
+from scape_jax.optim import scale_by_scape_dist
 from scape_jax.optim import scape
+from scape_jax.optim import scape_dist
 from scape_jax.optim import scape_stats
+from scape_jax.optim import with_fp32_replica
+from scape_jax.sharding.memory import state_shardings
 from scape_jax.sharding.placement import init_sharded
 from scape_jax.sharding.placement import place
 from scape_jax.sharding.specs import state_partition_specs
@@ -39,6 +44,7 @@ __all__ = [
     'ScaleByAdamSState',
     'ScaleByDemoState',
     'ScaleByRadiusState',
+    'ScaleByScapeDistState',
     'ScaleByScapeState',
     'adams',
     'demo',
@@ -52,7 +58,11 @@ __all__ = [
     'scale_by_demo',
     'scale_by_radius',
     'scale_by_scape',
+    'scale_by_scape_dist',
     'scape',
+    'scape_dist',
     'scape_stats',
     'state_partition_specs',
+    'state_shardings',
+    'with_fp32_replica',
 ]

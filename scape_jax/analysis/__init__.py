@@ -18,14 +18,16 @@ from scape_jax.analysis.hlo import collectives_from_hlo
 from scape_jax.analysis.hlo import dtype_bytes
 from scape_jax.analysis.hlo import format_table
 from scape_jax.analysis.hlo import replica_groups
+from scape_jax.analysis.memory import argument_bytes_by_kind
 from scape_jax.analysis.memory import host_argument_bytes
 from scape_jax.analysis.memory import offloaded_bytes
 from scape_jax.analysis import traffic
 
 __all__ = [
     'KINDS', 'NOTE_IN_BRANCH', 'NOTE_TRIP_UNKNOWN', 'NOTE_UNREACHABLE',
-    'Collective', 'bytes_sent', 'collectives', 'collectives_from_hlo',
-    'dtype_bytes', 'format_table', 'host_argument_bytes', 'offloaded_bytes',
-    'replica_groups', 'ring_all_gather_bytes', 'ring_all_reduce_bytes',
+    'Collective', 'argument_bytes_by_kind', 'bytes_sent', 'collectives',
+    'collectives_from_hlo', 'dtype_bytes', 'format_table',
+    'host_argument_bytes', 'offloaded_bytes', 'replica_groups',
+    'ring_all_gather_bytes', 'ring_all_reduce_bytes',
     'ring_reduce_scatter_bytes', 'traffic',
 ]

@@ -17,16 +17,26 @@ from scape_jax.optim._radius import ScaleByRadiusState
 from scape_jax.optim._radius import radius
 from scape_jax.optim._radius import radius_stats
 from scape_jax.optim._radius import scale_by_radius
+from scape_jax.optim._replica import Fp32ReplicaState
+from scape_jax.optim._replica import with_fp32_replica
 from scape_jax.optim._scape import DensitySchedule
 from scape_jax.optim._scape import ScaleByScapeState
 from scape_jax.optim._scape import scale_by_scape
 from scape_jax.optim._scape import scape
 from scape_jax.optim._scape import scape_stats
+from scape_jax.optim._scape_dist import ScaleByScapeDistState
+from scape_jax.optim._scape_dist import dist_to_scape
+from scape_jax.optim._scape_dist import scale_by_scape_dist
+from scape_jax.optim._scape_dist import scape_dist
+from scape_jax.optim._scape_dist import scape_dist_stats
+from scape_jax.optim._scape_dist import scape_to_dist
 
 __all__ = [
-    'DensitySchedule', 'RadiusSchedule', 'ScaleByAdamSState',
-    'ScaleByDemoState', 'ScaleByRadiusState', 'ScaleByScapeState', 'adams',
-    'demo', 'demo_stats', 'radius', 'radius_stats', 'scale_by_adams',
-    'scale_by_demo', 'scale_by_radius', 'scale_by_scape', 'scape',
-    'scape_stats',
+    'DensitySchedule', 'Fp32ReplicaState', 'RadiusSchedule',
+    'ScaleByAdamSState', 'ScaleByDemoState', 'ScaleByRadiusState',
+    'ScaleByScapeDistState', 'ScaleByScapeState', 'adams', 'demo', 'demo_stats',
+    'dist_to_scape', 'radius', 'radius_stats', 'scale_by_adams',
+    'scale_by_demo', 'scale_by_radius', 'scale_by_scape', 'scale_by_scape_dist',
+    'scape', 'scape_dist', 'scape_dist_stats', 'scape_stats', 'scape_to_dist',
+    'with_fp32_replica',
 ]

@@ -27,6 +27,7 @@ from scape_jax.comm import topk
 from scape_jax.comm.axes import DATA
 from scape_jax.comm.collectives import all_gather_invariant, varying
 from scape_jax.optim import _common
+from scape_jax.optim import _memory
 from scape_jax.optim import _scape_variants
 from scape_jax.optim._common import MaskOrFn, ScalarOrSchedule
 
@@ -42,6 +43,9 @@ class ScaleByScapeState(NamedTuple):
 
   # Fields that differ per worker and carry the leading worker axis.
   PER_WORKER_FIELDS = ('residual', 'mask', 'residual_norm')
+  # Fields that may live in host memory between steps (Section IV-E;
+  # `scape_jax.sharding.state_shardings(..., offload='pinned_host')`).
+  OFFLOADED_FIELDS = ('residual',)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,18 +241,22 @@ def scale_by_scape(
     n, _ = _common.axis_context('scape update', axis_name)
     plan = CompressionPlan.create(updates, compress, n)
     _common.check_per_worker_state('scape update', state.residual_norm)
-    step = functools.partial(_update_at_level, updates, state, plan=plan,
+    # Offloaded leaves come to the device here and go back at the end.
+    step = functools.partial(_update_at_level, updates,
+                             _memory.to_device(state), plan=plan,
                              hyper=hyper, schedule=schedule)
     if density_level is not None:
       if not 0 <= int(density_level) < len(levels):
         raise ValueError(f'scape: density_level={density_level!r}; allowed: '
                          f'0..{len(levels) - 1} (levels {levels}).')
-      return step(int(density_level))
-    if len(levels) == 1:
-      return step(0)
-    return jax.lax.switch(schedule.level(state.count),
-                          [functools.partial(step, i)
-                           for i in range(len(levels))])
+      direction, new_state = step(int(density_level))
+    elif len(levels) == 1:
+      direction, new_state = step(0)
+    else:
+      direction, new_state = jax.lax.switch(
+          schedule.level(state.count),
+          [functools.partial(step, i) for i in range(len(levels))])
+    return direction, _memory.like(new_state, state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -12,6 +12,9 @@ from scape_jax.sharding.mesh import NODE
 from scape_jax.sharding.mesh import REPLICA
 from scape_jax.sharding.mesh import TENSOR
 from scape_jax.sharding.mesh import make_mesh
+from scape_jax.sharding.memory import available_memory_kinds
+from scape_jax.sharding.memory import offload_memory_kinds
+from scape_jax.sharding.memory import state_shardings
 from scape_jax.sharding.placement import init_sharded
 from scape_jax.sharding.placement import place
 from scape_jax.sharding.specs import LOGICAL_RULES
@@ -21,7 +24,8 @@ from scape_jax.sharding.specs import with_replica_axis
 
 __all__ = [
     'BATCH_AXES', 'DATA', 'FSDP', 'FSDP_AXES', 'FcdpOptions', 'LOGICAL_RULES',
-    'Layout', 'MESH_AXES', 'NODE', 'REPLICA', 'TENSOR', 'fcdp', 'init_sharded',
-    'make_mesh', 'param_partition_specs', 'place', 'state_partition_specs',
-    'with_replica_axis',
+    'Layout', 'MESH_AXES', 'NODE', 'REPLICA', 'TENSOR',
+    'available_memory_kinds', 'fcdp', 'init_sharded', 'make_mesh',
+    'offload_memory_kinds', 'param_partition_specs', 'place',
+    'state_partition_specs', 'state_shardings', 'with_replica_axis',
 ]

@@ -12,6 +12,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from scape_jax.sharding.memory import state_shardings
 from scape_jax.sharding.mesh import DATA
 from scape_jax.sharding.specs import state_partition_specs
 
@@ -40,7 +41,8 @@ def place(tree: Any, mesh: jax.sharding.Mesh, specs: Any = P()) -> Any:
 
 def init_sharded(tx: optax.GradientTransformation, params: Any,
                  mesh: jax.sharding.Mesh, axis_name: str = DATA, *,
-                 param_specs: Optional[Any] = None) -> tuple[Any, Any]:
+                 param_specs: Optional[Any] = None,
+                 offload: Optional[str] = None) -> tuple[Any, Any]:
   """`tx.init(params)` placed on `mesh`, and its PartitionSpecs.
 
   The state is the global view that `tx.update` expects inside
@@ -54,6 +56,8 @@ def init_sharded(tx: optax.GradientTransformation, params: Any,
     mesh: the device mesh; `axis_name` must be one of its axes.
     axis_name: the data-parallel axis.
     param_specs: the parameters' PartitionSpecs if they are not replicated.
+    offload: None, or the memory kind ('pinned_host') of the fields a state
+      may keep off the device (SCAPE's residual): see `state_shardings`.
 
   Returns:
     `(opt_state, specs)`: pass `specs` as the state's `in_specs` and
@@ -66,6 +70,8 @@ def init_sharded(tx: optax.GradientTransformation, params: Any,
     shapes = jax.eval_shape(tx.init, params)
   specs = state_partition_specs(shapes, axis_name, params=params,
                                 param_specs=param_specs)
+  shardings = state_shardings(shapes, mesh, axis_name, params=params,
+                              param_specs=param_specs, offload=offload)
   with jax.set_mesh(mesh):
-    opt_state = jax.jit(tx.init, out_shardings=_shardings(mesh, specs))(params)
+    opt_state = jax.jit(tx.init, out_shardings=shardings)(params)
   return opt_state, specs

@@ -21,9 +21,11 @@ docs/design.md, "Adding a method".
 
 import dataclasses
 import fractions
+import functools
 import math
 from typing import Any, Callable, NamedTuple, Optional
 
+import jax
 import optax
 
 from scape_jax import outer as outer_lib
@@ -31,8 +33,11 @@ from scape_jax.comm import collectives
 from scape_jax.optim import _adams as adams_lib
 from scape_jax.optim import _demo as demo_lib
 from scape_jax.optim import _radius as radius_lib
+from scape_jax.optim import _replica as replica_lib
 from scape_jax.optim import _scape as scape_lib
+from scape_jax.optim import _scape_dist as scape_dist_lib
 from scape_jax.comm.axes import DATA, FSDP_AXES, REPLICA
+from scape_jax.sharding import memory as sharding_memory
 
 DECAYS = ('cosine', 'constant')  # Learning-rate schedules after warmup.
 
@@ -178,23 +183,47 @@ class ScapeConfig:
   density_warmup_steps: int = 0  # Exponential warmup from density 1.
   mask_encoding: str = 'auto'  # One of comm.masks.ENCODINGS.
   select: str = 'auto'  # Top-k of the next mask, one of comm.topk.SELECTS.
+  offload: bool = False  # The residual in host memory between steps.
+  offload_kind: str = sharding_memory.HOST  # Its memory kind when offloaded.
+  # Distributed-optimizer mode (Algorithm 2): m split over the workers.
+  distributed: bool = False
+  # An fp32 copy of the parameters in the state, authoritative (offloaded
+  # with offload=True); the step's parameters (model.param_dtype, e.g.
+  # bfloat16) are its cast.
+  fp32_replica: bool = False
   variant: str = 'faithful'  # 'faithful' (Alg. 1) or 'fresh' (docs/design.md).
 
 
 def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
   schedule = scape_lib.DensitySchedule(section.density,
                                        section.density_warmup_steps)
-  tx = scape_lib.scape(
+  alias = scape_dist_lib.scape_dist if section.distributed else scape_lib.scape
+  if section.distributed and section.variant != 'faithful':
+    raise ValueError(f'scape: variant={section.variant!r} is for Algorithm 1; '
+                     'distributed=True allows only variant=\'faithful\'.')
+  variant = {} if section.distributed else {'variant': section.variant}
+  tx = alias(
       lr, density=schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
       weight_decay=cfg.weight_decay,
       clip_norm=cfg.clip_norm if cfg.clip_norm > 0 else None,
       axis_name=ctx.axis_name, mask_encoding=section.mask_encoding,
-      select=section.select, variant=section.variant)
-  return Built(tx, lambda step: {'density_level': schedule.level(step)})
+      select=section.select, **variant)
+  if section.fp32_replica:
+    tx = replica_lib.with_fp32_replica(tx)
+  kinds = (functools.partial(sharding_memory.offload_memory_kinds,
+                             kind=section.offload_kind)
+           if section.offload else None)
+  return Built(tx, lambda step: {'density_level': schedule.level(step)},
+               kinds)
+
+
+def _scape_stats(opt_state) -> dict:
+  return (scape_lib.scape_stats(opt_state) or
+          scape_dist_lib.scape_dist_stats(opt_state))
 
 
 register(MethodSpec('scape', _build_scape, section=ScapeConfig,
-                    stats=scape_lib.scape_stats,
+                    stats=_scape_stats,
                     summary='AdamS with a top-k sparsified, error-fed first '
                     'moment (SCAPE Algorithm 1)'))
 
@@ -318,8 +347,22 @@ def _outer_built(tx, schedule, inner: Built, offload: bool) -> Built:
     extra = inner.static_args(step) if inner.static_args else {}
     return dict(extra, phase=schedule.phase(step))
 
-  return Built(tx, static_args,
-               outer_lib.offload_memory_kinds if offload else None)
+  return Built(tx, static_args, _outer_memory_kinds(offload,
+                                                     inner.memory_kinds))
+
+
+def _outer_memory_kinds(offload: bool, inner_kinds):
+  """An outer state's memory kinds: its own offload, and the inner
+  method's (SCAPE's offloaded residual) on its inner state."""
+  if inner_kinds is None:
+    return outer_lib.offload_memory_kinds if offload else None
+
+  def kinds(state):
+    own = (outer_lib.offload_memory_kinds(state) if offload else
+           jax.tree.map(lambda _: sharding_memory.DEVICE, state))
+    return own._replace(inner=inner_kinds(state.inner))
+
+  return kinds
 
 
 def _build_diloco(cfg, section: DiLoCoConfig, lr, ctx) -> Built:

@@ -290,25 +290,30 @@ def param_count(program: Program) -> int:
   return sum(math.prod(x.shape[skip:]) for x in leaves)
 
 
-def dry_run(cfg: Config, devices=None) -> dict:
-  """Compiles the steady-state train step from abstract shapes only."""
-  program = build_program(cfg, devices)
-  traced = program.trace_step(cfg.steps)
-  compiled = program.compile_step(cfg.steps, traced)
+def memory_report(program: Program, traced, compiled) -> dict:
+  """Per-device bytes of a compiled step: device and host memory apart.
+
+  `device_bytes` is the compiled program's figure (arguments + outputs +
+  temporaries - aliased). `state_bytes` splits the arguments that persist
+  between steps (parameters and optimizer state) by memory kind, read from
+  their shardings. XLA's CPU compiler keeps host-placed arguments in its one
+  memory and counts them as device arguments (its host fields read 0), so
+  `device_bytes_placed` takes them out again: the device figure a backend
+  with a separate host memory would give for the same placement.
+  """
   mem = compiled.memory_analysis()
-  cols = analysis.collectives_from_hlo(compiled.as_text())
+  state = analysis.argument_bytes_by_kind((program.abstract_params,
+                                           program.abstract_opt))
   report = {
-      'preset': model_name(cfg),
-      'optimizer': cfg.optimizer.name,
-      'params': param_count(program),
-      'workers': program.n_workers,
       'argument_bytes': mem.argument_size_in_bytes,
       'output_bytes': mem.output_size_in_bytes,
       'temp_bytes': mem.temp_size_in_bytes,
       'alias_bytes': mem.alias_size_in_bytes,
-      'comm_bytes_per_step': analysis.bytes_sent(cols),
+      'state_device_bytes': state.get('device', 0),
+      'state_host_bytes': sum(v for k, v in state.items() if k != 'device'),
       'host_params_bytes': analysis.host_argument_bytes(
           program.abstract_params),
+      'host_opt_bytes': analysis.host_argument_bytes(program.abstract_opt),
       'host_offload_bytes': analysis.offloaded_bytes(traced.jaxpr),
       'host_compiled_bytes': (
           mem.host_argument_size_in_bytes + mem.host_output_size_in_bytes +
@@ -316,26 +321,52 @@ def dry_run(cfg: Config, devices=None) -> dict:
   }
   report['device_bytes'] = (report['argument_bytes'] + report['output_bytes'] +
                             report['temp_bytes'] - report['alias_bytes'])
-  report['host_bytes'] = (report['host_params_bytes'] +
+  counted_on_device = (report['state_host_bytes']
+                       if mem.host_argument_size_in_bytes == 0 else 0)
+  report['device_bytes_placed'] = report['device_bytes'] - counted_on_device
+  report['host_bytes'] = (report['state_host_bytes'] +
                           report['host_offload_bytes'])
+  return report
+
+
+def _print_memory(report: dict) -> None:
   gib = 2.0**30
+  g = lambda key: f'{report[key] / gib:.2f}'
+  print(f'per-device memory (compiled step): {g("device_bytes")} GiB = '
+        f'arguments {g("argument_bytes")} + outputs {g("output_bytes")} + '
+        f'temporaries {g("temp_bytes")} - aliased {g("alias_bytes")}')
+  print(f'per-device parameters and optimizer state: device memory '
+        f'{g("state_device_bytes")} GiB, host memory {g("state_host_bytes")} '
+        'GiB (from their shardings)')
+  if report['host_bytes'] or report['host_compiled_bytes']:
+    print(f'per-device host memory: {g("host_bytes")} GiB = parameters kept '
+          f'on host {g("host_params_bytes")} + optimizer state kept on host '
+          f'{g("host_opt_bytes")} + values the step offloads '
+          f'{g("host_offload_bytes")}; device memory without them '
+          f'{g("device_bytes_placed")} GiB. The compiled host fields say '
+          f'{g("host_compiled_bytes")} GiB (0 on the CPU, whose compiler '
+          'keeps host-placed values in its one memory and counts them as '
+          'device memory above)')
+
+
+def dry_run(cfg: Config, devices=None) -> dict:
+  """Compiles the steady-state train step from abstract shapes only."""
+  program = build_program(cfg, devices)
+  traced = program.trace_step(cfg.steps)
+  compiled = program.compile_step(cfg.steps, traced)
+  cols = analysis.collectives_from_hlo(compiled.as_text())
+  report = {
+      'preset': model_name(cfg),
+      'optimizer': cfg.optimizer.name,
+      'params': param_count(program),
+      'workers': program.n_workers,
+      'comm_bytes_per_step': analysis.bytes_sent(cols),
+  }
+  report.update(memory_report(program, traced, compiled))
   shape = ' '.join(f'{k}={v}' for k, v in program.mesh.shape.items())
   print(f'model {model_name(cfg)}: {report["params"]:,} parameters; '
         f'optimizer {cfg.optimizer.name}; mesh {shape}')
-  print(f'per-device memory (compiled step): {report["device_bytes"] / gib:.2f}'
-        f' GiB = arguments {report["argument_bytes"] / gib:.2f} + outputs '
-        f'{report["output_bytes"] / gib:.2f} + temporaries '
-        f'{report["temp_bytes"] / gib:.2f} - aliased '
-        f'{report["alias_bytes"] / gib:.2f}')
-  if report['host_bytes'] or report['host_compiled_bytes']:
-    host = report['host_bytes'] / gib
-    print(f'per-device host memory (FCDP cache): {host:.2f} GiB = frozen '
-          f'parameters kept on host '
-          f'{report["host_params_bytes"] / gib:.2f} + values the step '
-          f'offloads {report["host_offload_bytes"] / gib:.2f}; the compiled '
-          f'host fields say {report["host_compiled_bytes"] / gib:.2f} GiB (0 '
-          'on the CPU, whose compiler lowers host copies to nothing and '
-          'counts these bytes as device memory above)')
+  _print_memory(report)
   print(analysis.format_table(cols))
   return report
 

@@ -24,11 +24,17 @@ from typing import Any, Callable, Mapping, Optional
 
 from scape_jax.train import config as config_lib
 from scape_jax.train import methods
-from scape_jax.train.checkpoint import Checkpointer, CorruptCheckpointError
+from scape_jax.train import convert
+from scape_jax.train.checkpoint import CheckpointError, Checkpointer
+from scape_jax.train.checkpoint import CorruptCheckpointError
 
 # Keys that change neither the state nor the numbers of the run.
 RESUME_SAFE_KEYS = ('log_every', 'eval_every', 'eval_batches', 'ckpt_every',
-                    'max_bad_steps', 'out_dir', 'data.data_dir', 'model.remat')
+                    'max_bad_steps', 'out_dir', 'data.data_dir', 'model.remat',
+                    # Where SCAPE's state lives, and its layout (converted on
+                    # restore; the numbers are the same up to rounding).
+                    'optimizer.scape.offload', 'optimizer.scape.offload_kind',
+                    'optimizer.scape.distributed')
 # Keys (or 'section.' prefixes) that fix the state's shapes or the data order.
 STRUCTURAL_KEYS = ('optimizer.name', 'model.preset', 'model.param_dtype',
                    'mesh.', 'seed', 'data.corpus', 'data.tokenizer',
@@ -133,6 +139,16 @@ def _set_aside(ckpt: Checkpointer, skipped: list, start: int,
         f'{start}, the newest checkpoint that verifies')
 
 
+def _restore(program, ckpt: Checkpointer, step: int, target) -> tuple:
+  """`ckpt.restore`, or a SCAPE checkpoint of the other mode converted."""
+  try:
+    return ckpt.restore(step, target)
+  except CorruptCheckpointError:
+    raise
+  except CheckpointError as e:  # saved in the other SCAPE mode?
+    return convert.restore_other_mode(program, ckpt, step, e)
+
+
 def restore_or_init(cfg: config_lib.Config, program, ckpt: Checkpointer,
                     iterator, allow_config_change: bool = False,
                     say: Optional[Callable[[str], None]] = print) -> Resumed:
@@ -157,7 +173,7 @@ def restore_or_init(cfg: config_lib.Config, program, ckpt: Checkpointer,
       _, extras = ckpt.read_extras(step)
       changes = check_config(extras.get('config', {}), current, where,
                              allow_config_change)
-      state, extras = ckpt.restore(step, target)
+      state, extras = _restore(program, ckpt, step, target)
     except CorruptCheckpointError as e:
       skipped.append((step, str(e)))
       continue

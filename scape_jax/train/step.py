@@ -21,6 +21,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from scape_jax.comm.collectives import global_norm, varying
+from scape_jax.optim import _memory as memory
 from scape_jax.sharding.layout import Layout
 from scape_jax.sharding.mesh import DATA, FSDP_AXES
 
@@ -77,8 +78,16 @@ def keep_if(ok: jax.Array, new, old):
 
   An elementwise select, not a branch: the step stays one program and the
   donated buffers are still reused (`tests/test_step.py` checks both).
+  Leaves in host memory (offloaded state) are selected on the device and
+  returned to host memory, where they came from.
   """
-  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+  def one(n, o):
+    if not (memory.on_host(n) or memory.on_host(o)):
+      return jnp.where(ok, n, o)
+    chosen = jnp.where(ok, memory.to_device(n), memory.to_device(o))
+    return jax.device_put(chosen, jax.memory.Space.Host)
+
+  return jax.tree.map(one, new, old)
 
 
 def make_train_step(apply_fn: Callable[[Any, jax.Array], jax.Array],
