@@ -4,7 +4,8 @@ PY ?= python3
 CPU8 = JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8
 
 .PHONY: install install-hf install-eval test test-hf demo bench \
-	bench-network dry-run memory-table results results-wire eval-downstream
+	bench-network dry-run memory-table results results-wire eval-downstream \
+	fidelity
 
 install:
 	$(PY) -m pip install -q -r requirements.txt
@@ -69,3 +70,11 @@ bench:
 # the duration). Writes docs/bench/network.{csv,md,png}.
 bench-network:
 	$(PY) bench/network.py
+
+# The fidelity study (docs/results.md, "Fidelity"): resumable, niced; each
+# command starts no new run after --hours. Two `grid` processes may run at
+# once (lock files share the runs out).
+fidelity:
+	$(CPU8) nice -n 10 $(PY) bench/fidelity.py figures --hours 12
+	$(CPU8) nice -n 10 $(PY) bench/fidelity.py grid --hours 12
+	$(CPU8) $(PY) bench/fidelity.py report

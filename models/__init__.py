@@ -38,6 +38,14 @@ PRESETS: dict[str, Config] = {
     'llama-tiny': LlamaConfig(
         vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4,
         n_kv_heads=2, d_ff=192),
+    # Larger small models for the fidelity study (bench/fidelity.py): about
+    # 1M and 10M parameters at the byte vocabulary, still trainable on CPU.
+    'llama-1m': LlamaConfig(
+        vocab_size=256, max_seq_len=256, d_model=128, n_layers=5, n_heads=4,
+        n_kv_heads=2, d_ff=384),
+    'llama-10m': LlamaConfig(
+        vocab_size=256, max_seq_len=256, d_model=320, n_layers=8, n_heads=8,
+        n_kv_heads=4, d_ff=960),
     # 19.1M parameters, byte vocabulary: bench/network.py's model, sized so
     # that its dense gradient exchange outlasts a CPU worker's step at 1 Gb/s.
     'llama20m': LlamaConfig(

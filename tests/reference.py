@@ -31,10 +31,17 @@ def k_of(density, chunk):
 
 
 class ScapeReference:
-  """N simulated workers running Algorithm 1 with partitioned chunk masks."""
+  """N simulated workers running Algorithm 1 with partitioned chunk masks.
+
+  variant='fresh' (docs/design.md, "Variant fresh"): a coordinate whose
+  previous first moment is zero takes AdamS's first step, as if its moment
+  had started at this step.
+  """
 
   def __init__(self, params, compressed, n, *, density, lr_fn, b1=0.9,
-               b2=0.95, eps=1e-8, wd=0.1, clip=None):
+               b2=0.95, eps=1e-8, wd=0.1, clip=None, variant='faithful'):
+    assert variant in ('faithful', 'fresh'), variant
+    self.variant = variant
     self.n, self.density, self.lr_fn = n, density, lr_fn
     self.b1, self.b2, self.eps, self.wd, self.clip = b1, b2, eps, wd, clip
     self.w = [p.astype(np.float32).copy() for p in params]
@@ -86,8 +93,13 @@ class ScapeReference:
     lr = np.float32(self.lr_fn(t - 1))
     for j in range(len(self.w)):
       v = b2 * self.m[j]**2 + (1 - b2) * gbar[j]**2
+      restarted = self.m[j] == 0
       self.m[j] = bbar[j]
       u = (self.m[j] / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + self.eps)
+      if self.variant == 'fresh':  # AdamS's first step: m/|m| after both
+        first = np.sign(bbar[j]) / (1 + self.eps * (1 - b1**t) /
+                                    np.maximum(np.abs(bbar[j]), 1e-38))
+        u = np.where(restarted, first, u)
       self.w[j] = (self.w[j] - lr * (u + self.wd * self.w[j])).astype(
           np.float32)
       if self.compressed[j]:

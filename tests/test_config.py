@@ -153,6 +153,7 @@ def test_malformed_overrides(override):
     ('--config.optimizer.decay=linear', 'decay'),
     ('--config.optimizer.scape.mask_encoding=rle', 'mask_encoding'),
     ('--config.optimizer.scape.select=heap', 'select'),
+    ('--config.optimizer.scape.variant=sloppy', 'variant'),
     ('--config.optimizer.b2=1', 'b2'),
     ('--config.optimizer.min_lr_ratio=2', 'min_lr_ratio'),
     ('--config.optimizer.warmup_steps=-1', 'warmup_steps'),

@@ -53,6 +53,8 @@ def test_param_count_matches_closed_form(name):
     ('gpt345m', 340e6, 370e6),
     ('llama500m', 505e6, 520e6),
     ('llama1.8b', 1.80e9, 1.86e9),
+    ('llama-1m', 0.95e6, 1.1e6),
+    ('llama-10m', 9.5e6, 10.5e6),
 ])
 def test_param_count_stated_sizes(name, lo, hi):
   assert lo <= models.param_count(models.get_config(name)) <= hi

@@ -89,22 +89,28 @@ def test_density_one_equals_adams_on_mean_gradient():
                                  rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize('density', [0.1, 0.01])
-def test_matches_numpy_simulation_of_algorithm_1(density):
+@pytest.mark.parametrize('density,variant', [(0.1, 'faithful'),
+                                             (0.01, 'faithful'),
+                                             (0.1, 'fresh')])
+def test_matches_numpy_simulation_of_algorithm_1(density, variant):
   params = _params()
   n, steps, clip = 8, 20, 2.0
   grads = _worker_grads(params, n, steps)
   names = sorted(params)  # jax flattens dicts in sorted key order
   compressed = [params[k].ndim >= 2 for k in names]
   lr_fn = optax.linear_schedule(1e-2, 1e-3, steps)
-  tx = scape_jax.scape(lr_fn, density=density, clip_norm=clip)
+  tx = scape_jax.scape(lr_fn, density=density, clip_norm=clip,
+                       variant=variant)
   run = Runner(tx, params, n)
   ref = ScapeReference([params[k] for k in names], compressed, n,
                        density=density, lr_fn=lambda i: float(lr_fn(i)),
-                       clip=clip)
-  clipped = 0
+                       clip=clip, variant=variant)
+  clipped, restarted = 0, 0
   for g in grads:
     run.step(g)
+    restarted += sum(int(np.sum((m == 0) & c)) for m, c in zip(
+        ref.m, [ref.mask[j][:p.size].reshape(p.shape) if compressed[j] else
+                np.zeros(p.shape, bool) for j, p in enumerate(ref.w)]))
     clipped += ref.step([[g[k][w] for k in names] for w in range(n)]) > clip
     st = _scape_state(run.state)
     for j, k in enumerate(names):
@@ -124,6 +130,7 @@ def test_matches_numpy_simulation_of_algorithm_1(density):
   assert float(st.density) == pytest.approx(density)
   assert float(jnp.mean(st.residual_norm)) > 0
   assert clipped > steps // 2
+  assert restarted > 0  # coordinates entered M with m = 0 ('fresh' acts)
 
 
 @pytest.mark.parametrize('n', [1, 2, 4, 8])
@@ -188,6 +195,30 @@ def test_wire_bytes_from_compiled_step():
   # At 1% auto sends offsets: k words per leaf instead of c/32.
   assert encoding == 'auto' and words == k_of(density, 2048) + k_of(
       density, 1536) < (2048 + 1536) // 32
+
+
+def test_fresh_variant_sends_the_same_collectives_and_differs_in_the_step():
+  from scape_jax import analysis
+  params = _params(0, {'w1': (256, 64), 'w2': (128, 96), 'b': (64,)})
+  n, density = 8, 0.1
+  cols, finals = {}, {}
+  for variant in ('faithful', 'fresh'):
+    run = Runner(scape_jax.scape(1e-2, density=density, variant=variant),
+                 params, n)
+    grads = jax.tree.map(
+        lambda p: jax.ShapeDtypeStruct((n,) + p.shape, jnp.float32,
+                                       sharding=NamedSharding(run.mesh,
+                                                              P('data'))),
+        params)
+    cols[variant] = [(c.kind, c.dtype, c.elements, c.bytes_sent) for c in
+                     analysis.collectives(run._step(1), run.params,
+                                          run.state, grads)]
+    for g in _worker_grads(params, n, 4):
+      run.step(g, level=1)
+    finals[variant] = np.asarray(run.params['w1'])
+  assert cols['faithful'] == cols['fresh']
+  assert sorted(k for k, *_ in cols['fresh']) == ['all-gather', 'all-reduce']
+  assert not np.allclose(finals['faithful'], finals['fresh'])
 
 
 def test_density_warmup_compiles_one_program_per_level():
@@ -370,6 +401,11 @@ def test_rejects_mismatched_compress_tree():
                        compress={'w': True})
   with pytest.raises(ValueError, match='compress tree does not match'):
     tx.init({'w': jnp.zeros((4, 4)), 'b': jnp.zeros((4,))})
+
+
+def test_rejects_unknown_variant():
+  with pytest.raises(ValueError, match=r"variant='sloppy'.*faithful"):
+    scape_jax.scape(1e-2, density=0.1, variant='sloppy')
 
 
 def test_rejects_bad_mask_encoding():

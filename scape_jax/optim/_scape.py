@@ -31,6 +31,7 @@ from scape_jax.comm.collectives import all_gather_invariant, varying
 from scape_jax.optim import _common
 from scape_jax.optim import _memory
 from scape_jax.optim import _wire
+from scape_jax.optim import _scape_variants
 from scape_jax.optim._common import MaskOrFn, ScalarOrSchedule
 
 
@@ -157,6 +158,7 @@ def scale_by_scape(
     select: str = 'auto',
     payload_dtype: str = 'float32',
     offset_bits: Union[str, int] = '32',
+    variant: str = 'faithful',
 ) -> optax.GradientTransformationExtraArgs:
   """SCAPE's exchange and AdamS direction from each worker's local gradients.
 
@@ -187,6 +189,10 @@ def scale_by_scape(
       too): offsets as int32 (32), as 16 bits plus sub-block ends (16), or
       whichever is smaller ('auto'). The default is the string '32' so that
       `optax.inject_hyperparams` leaves it static.
+    variant: one of `_scape_variants.VARIANTS`: 'faithful' (Algorithm 1) or
+      'fresh' (a coordinate entering M with m_{t-1} = 0 takes AdamS's first
+      step, of size 1, instead of `(1 - b1) / sqrt(1 - b2)` times the bias
+      correction; docs/design.md). Same collectives, bytes and state.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`. `update` accepts the extra
@@ -214,10 +220,11 @@ def scale_by_scape(
   offset_bits = masks.check_wire_request(mask_encoding, offset_bits)
   payload.check_payload_dtype(payload_dtype)
   topk.check_select(select, 'scape')
+  _scape_variants.check_variant(variant, 'scape')
   hyper = _Hyper(b1=b1, b2=b2, eps=eps, clip_norm=clip_norm,
                  axis_name=axis_name, encoding=mask_encoding, levels=levels,
                  select=select, payload_dtype=payload_dtype,
-                 offset_bits=offset_bits)
+                 offset_bits=offset_bits, variant=variant)
 
   def init_fn(params):
     n, local = _common.axis_context('scape init', axis_name)
@@ -280,6 +287,7 @@ class _Hyper:
   select: str
   payload_dtype: str = 'float32'
   offset_bits: Union[str, int] = 32
+  variant: str = 'faithful'
 
 
 def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
@@ -428,6 +436,8 @@ def _direction(mu_prev, bbar, gbar, count, hyper):
   """The AdamS direction: v from the previous m and gbar, m = bbar."""
   nu = [hyper.b2 * m * m + (1.0 - hyper.b2) * g * g
         for m, g in zip(mu_prev, gbar)]
+  nu = _scape_variants.second_moment(hyper.variant, mu_prev, bbar, nu, count,
+                                     hyper.b1, hyper.b2)
   return _common.bias_corrected_direction(bbar, nu, count, b1=hyper.b1,
                                           b2=hyper.b2, eps=hyper.eps)
 
@@ -523,6 +533,7 @@ def scape(
     payload_dtype: str = 'float32',
     offset_bits: Union[str, int] = '32',
     weight_decay_mask: MaskOrFn = None,
+    variant: str = 'faithful',
 ) -> optax.GradientTransformationExtraArgs:
   """SCAPE: `scale_by_scape`, then decoupled weight decay and the learning rate.
 
@@ -537,7 +548,7 @@ def scape(
     density: fraction of each compressed leaf sent per step, in (0, 1], or a
       `DensitySchedule`.
     b1, b2, eps, clip_norm, axis_name, compress, density_warmup_steps,
-      mask_encoding, select, payload_dtype, offset_bits: see
+      mask_encoding, select, payload_dtype, offset_bits, variant: see
       `scale_by_scape`.
     weight_decay: decoupled weight-decay strength.
     weight_decay_mask: optional tree or callable of bools selecting the leaves
@@ -554,7 +565,8 @@ def scape(
                      axis_name=axis_name, compress=compress,
                      density_warmup_steps=density_warmup_steps,
                      mask_encoding=mask_encoding, select=select,
-                     payload_dtype=payload_dtype, offset_bits=offset_bits),
+                     payload_dtype=payload_dtype, offset_bits=offset_bits,
+                     variant=variant),
       optax.add_decayed_weights(weight_decay, weight_decay_mask),
       optax.scale_by_learning_rate(learning_rate),
   )

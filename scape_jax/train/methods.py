@@ -194,18 +194,23 @@ class ScapeConfig:
   # Payload values on the wire: 'float32', 'bfloat16' or 'float16'.
   payload_dtype: str = 'float32'
   offset_bits: str = '32'  # Offsets on the wire: '32', '16' or 'auto'.
+  variant: str = 'faithful'  # 'faithful' (Alg. 1) or 'fresh' (docs/design.md).
 
 
 def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
   schedule = scape_lib.DensitySchedule(section.density,
                                        section.density_warmup_steps)
   alias = scape_dist_lib.scape_dist if section.distributed else scape_lib.scape
+  if section.distributed and section.variant != 'faithful':
+    raise ValueError(f'scape: variant={section.variant!r} is for Algorithm 1; '
+                     'distributed=True allows only variant=\'faithful\'.')
+  variant = {} if section.distributed else {'variant': section.variant}
   tx = alias(
       lr, density=schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
       weight_decay=cfg.weight_decay,
       clip_norm=cfg.clip_norm if cfg.clip_norm > 0 else None,
       axis_name=ctx.axis_name, mask_encoding=section.mask_encoding,
-      select=section.select, **_wire_options(section))
+      select=section.select, **_wire_options(section), **variant)
   if section.fp32_replica:
     tx = replica_lib.with_fp32_replica(tx)
   kinds = (functools.partial(sharding_memory.offload_memory_kinds,

@@ -1,0 +1,299 @@
+"""The fidelity study: where SCAPE matches AdamS, why it trails at small scale.
+
+Runs are ordinary trainer runs (`scape_jax.train.train`) of
+`configs/shakespeare_llama_tiny.py` (the `make results` setup: tiny Llama,
+byte-level Shakespeare, 8 simulated CPU workers) with dotted overrides. Each
+run is one subprocess that writes `<out>/runs/<key>.json` (and keeps its
+`metrics.jsonl`); a run whose JSON exists is skipped, so every command here
+is resumable.
+
+  python bench/fidelity.py grid [--hours 4]     # the gap grid (section 2)
+  python bench/fidelity.py figures [--hours 1]  # Figures 3 and 6, the oracle
+  python bench/fidelity.py report               # docs/results.md + plots
+
+Loss results are deterministic up to the seed; nothing here is a timing.
+`report` writes the "Fidelity" section of docs/results.md and
+docs/bench/fidelity_*.png from the JSON files only.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+if 'host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                             ' --xla_force_host_platform_device_count=8')
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+CONFIG = 'configs/shakespeare_llama_tiny.py'
+VARIANT = 'fresh'  # the variant of scale_by_scape the study puts beside Alg. 1
+SEEDS = (0, 1)
+
+
+def _scape(density: float, variant: str = 'faithful') -> dict:
+  return {'optimizer.name': 'scape', 'optimizer.scape.density': density,
+          'optimizer.scape.variant': variant}
+
+
+# Methods compared at the grid points: name -> overrides.
+METHODS = {
+    'AdamS': {'optimizer.name': 'adams'},
+    'SCAPE d=0.1': _scape(0.1),
+    'SCAPE d=0.01': _scape(0.01),
+    f'{VARIANT} d=0.1': _scape(0.1, VARIANT),
+    f'{VARIANT} d=0.01': _scape(0.01, VARIANT),
+}
+PROBE_SEED = 0
+
+
+def method_overrides(method: str, seed: int) -> dict:
+  """`METHODS[method]` for one seed. SCAPE's seed-0 runs go through the probe
+  (bench/fidelity_tools.py): the same updates (tested) plus the diagnostics,
+  and an extra dense all-reduce, so their bytes are not SCAPE's
+  (docs/results.md, top section, has those)."""
+  out = dict(METHODS[method], seed=seed)
+  if out['optimizer.name'] == 'scape' and seed == PROBE_SEED:
+    out['optimizer.name'] = 'probe_scape'
+  return out
+
+
+FAITHFUL = ('AdamS', 'SCAPE d=0.1', 'SCAPE d=0.01')
+ALL = tuple(METHODS)
+
+# Grid points, most important first (a time-bounded run finishes these
+# first): (axis, value, overrides, methods). The base point is the `make
+# results` setup: llama-tiny, 300 steps, lr 3e-3, b2 0.95, density warmup 50.
+POINTS = [
+    ('base', '', {}, ALL),
+    ('b2', '0.999', {'optimizer.b2': 0.999}, ALL),
+    ('lr', '1e-3', {'optimizer.lr': 1e-3}, FAITHFUL),
+    ('lr', '1e-2', {'optimizer.lr': 1e-2}, FAITHFUL),
+    ('warmup', '0', {'optimizer.scape.density_warmup_steps': 0}, FAITHFUL),
+    ('warmup', '150', {'optimizer.scape.density_warmup_steps': 150}, FAITHFUL),
+    ('warmup', '300', {'optimizer.scape.density_warmup_steps': 300}, FAITHFUL),
+    ('model', 'llama-1m', {'model.preset': 'llama-1m'}, FAITHFUL),
+    ('steps', '1000', {'steps': 1000}, FAITHFUL),
+    ('steps', '3000', {'steps': 3000}, FAITHFUL),
+    ('model', 'llama-10m', {'model.preset': 'llama-10m'}, FAITHFUL),
+]
+
+
+def run_key(overrides: dict) -> str:
+  """A file name for one run: its effective overrides, sorted.
+
+  Keys that a method ignores (SCAPE's section under AdamS) are dropped, so
+  runs that are the same run share one file.
+  """
+  eff = {k: v for k, v in overrides.items()
+         if overrides.get('optimizer.name') in ('scape', 'probe_scape') or
+         not k.startswith('optimizer.scape.')}
+  text = ','.join(f'{k.split(".")[-1]}={v}' for k, v in sorted(eff.items()))
+  return re.sub(r'[^A-Za-z0-9_.=,+-]', '_', text)
+
+
+def grid_runs() -> list:
+  """[(point, method, seed, overrides)] in the order they run."""
+  out = []
+  for axis, value, point, names in POINTS:
+    for seed in SEEDS:
+      for method in names:
+        out.append(((axis, value), method, seed,
+                    dict(point, **method_overrides(method, seed))))
+  return out
+
+
+# ----------------------------------------------------------------------------
+# One run, in its own process.
+
+
+def run_one(spec: dict) -> dict:
+  """Trains one run and returns its summary (called in the child process)."""
+  import fidelity_tools  # pylint: disable=g-import-not-at-top
+  from scape_jax import train as trainer  # pylint: disable=g-import-not-at-top
+  from scape_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  from scape_jax.train.metrics import read_jsonl  # pylint: disable=g-import-not-at-top
+  fidelity_tools.register_study_methods()
+  for kwargs in spec.get('register_topk', []):
+    fidelity_tools.register_topk(**kwargs)
+  run_dir = spec['run_dir']
+  shutil.rmtree(run_dir, ignore_errors=True)
+  overrides = dict(spec['overrides'])
+  steps = overrides.get('steps', 300)
+  args = [f'--config.{k}={v}' for k, v in overrides.items()]
+  args += [f'--config.out_dir={run_dir}', '--config.eval_every=0',
+           f'--config.log_every={spec.get("log_every", 25)}']
+  cfg = config_lib.load(CONFIG, args)
+  t0 = time.time()
+  summary = trainer.train(cfg)
+  rows = read_jsonl(os.path.join(run_dir, 'metrics.jsonl'))
+  train = [r for r in rows if r['split'] == 'train']
+  shutil.rmtree(os.path.join(run_dir, 'ckpt'), ignore_errors=True)
+  shutil.rmtree(os.path.join(run_dir, 'tb'), ignore_errors=True)
+  return {
+      'overrides': overrides, 'steps': steps,
+      'eval_loss': summary['eval_loss'],
+      'final_loss': (sum(summary['losses'][-10:]) /
+                     len(summary['losses'][-10:])),
+      'bytes_per_step': train[-1]['comm_bytes'],
+      'curve': [(r['step'], r['loss']) for r in train][::max(1, steps // 300)],
+      'wall_s': time.time() - t0, 'cpu_s': time.process_time(),
+  }
+
+
+def _claim(lock: str) -> bool:
+  """Creates `lock` holding our pid; False if a live process holds it."""
+  for _ in range(2):
+    try:
+      fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+      try:
+        with open(lock) as f:
+          pid = int(f.read().strip() or 0)
+        if pid <= 0:  # killed between creating the file and writing to it
+          raise ValueError(lock)
+        os.kill(pid, 0)  # still running?
+        return False
+      except (ProcessLookupError, ValueError):
+        os.remove(lock)  # left by a process that was killed
+        continue
+    with os.fdopen(fd, 'w') as f:
+      f.write(str(os.getpid()))
+    return True
+  return False
+
+
+def ensure(out: str, key: str, overrides: dict, deadline: float,
+           **extra) -> dict | None:
+  """The JSON of run `key`, running it first if it is missing.
+
+  Returns None when the deadline has passed before the run could start or
+  the run failed (its log is kept beside the JSON).
+  """
+  path = os.path.join(out, 'runs', key + '.json')
+  if os.path.exists(path):
+    with open(path) as f:
+      return json.load(f)
+  if time.time() > deadline:
+    return None
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  if not _claim(path + '.lock'):
+    return None  # another `grid`/`figures` process is running it
+  spec = dict(extra, overrides=overrides, json=path,
+              run_dir=os.path.join(out, 'runs', key))
+  log = path[:-5] + '.log'
+  t0 = time.time()
+  try:
+    with open(log, 'w') as f:
+      proc = subprocess.run(
+          [sys.executable, os.path.abspath(__file__), 'one', json.dumps(spec)],
+          stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, check=False)
+  finally:
+    os.remove(path + '.lock')
+  if proc.returncode:
+    print(f'FAILED {key} (see {log})', flush=True)
+    return None
+  with open(path) as f:
+    result = json.load(f)
+  print(f'{key}: eval {result["eval_loss"]:.4f} ({time.time() - t0:.0f} s '
+        f'wall, {result["cpu_s"]:.0f} s cpu)', flush=True)
+  return result
+
+
+def grid(out: str, hours: float, only: str, seeds: tuple) -> None:
+  deadline = time.time() + hours * 3600
+  for point, method, seed, overrides in grid_runs():
+    if only and not re.search(only, f'{point[0]}={point[1]} {method}'):
+      continue
+    if seed not in seeds:
+      continue
+    ensure(out, run_key(overrides), overrides, deadline)
+
+
+# ----------------------------------------------------------------------------
+# Figures 3 and 6 and the probes.
+
+FIG3_STEPS, FIG3_SWITCH = 600, 200
+FIG6_STEPS = 600
+
+
+def figure_runs() -> list:
+  """[(key, overrides, extra)]: Figure 3, Figure 6 and the sparse-update
+  oracle (dense AdamS information, SCAPE's density schedule, only the top-k
+  of the pending updates applied per step)."""
+  runs = []
+  for base in ('adamw', 'adams'):
+    for switch in (FIG3_SWITCH, FIG3_STEPS):  # FIG3_STEPS: never switches
+      kwargs = dict(base=base, stage='gradient', density=0.1,
+                    switch_step=switch)
+      name = f'topk0.1_gradient_{base}_from{switch}'
+      runs.append(('fig3_' + name, {'optimizer.name': name,
+                                    'steps': FIG3_STEPS},
+                   {'register_topk': [kwargs], 'log_every': 5}))
+  runs.append(('fig6_overlap_adams', {'optimizer.name': 'overlap_adams',
+                                      'steps': FIG6_STEPS}, {'log_every': 1}))
+  for b2, seeds in ((0.95, SEEDS), (0.999, SEEDS[:1])):
+    for seed in seeds:
+      for density in (0.1, 0.01):
+        kwargs = dict(base='adams', stage='update', density=density,
+                      warmup_steps=50)
+        name = f'topk{density:g}_update_adams_warmup50'
+        runs.append((oracle_key(density, b2, seed),
+                     {'optimizer.name': name, 'optimizer.b2': b2,
+                      'seed': seed},
+                     {'register_topk': [kwargs]}))
+  return runs
+
+
+def oracle_key(density: float, b2: float, seed: int) -> str:
+  return f'oracle_d{density}_b2{b2}' + (f'_seed{seed}' if seed else '')
+
+
+def figures(out: str, hours: float, only: str) -> None:
+  deadline = time.time() + hours * 3600
+  for key, overrides, extra in figure_runs():
+    if only and not re.search(only, key):
+      continue
+    ensure(out, key, overrides, deadline, **extra)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  sub = parser.add_subparsers(dest='cmd', required=True)
+  for name in ('grid', 'figures', 'report'):
+    p = sub.add_parser(name)
+    p.add_argument('--out', default='runs/fidelity')
+    p.add_argument('--hours', type=float, default=4.0,
+                   help='start no run after this many hours')
+    p.add_argument('--only', default='',
+                   help='regex on "axis=value method" (grid) or on the run '
+                   'name (figures)')
+    p.add_argument('--seeds', default=','.join(map(str, SEEDS)),
+                   help='comma-separated seeds to run (grid only)')
+  one = sub.add_parser('one')
+  one.add_argument('spec')
+  args = parser.parse_args()
+  if args.cmd == 'one':
+    spec = json.loads(args.spec)
+    result = run_one(spec)
+    with open(spec['json'], 'w') as f:
+      json.dump(result, f)
+  elif args.cmd == 'grid':
+    grid(args.out, args.hours, args.only,
+         tuple(int(x) for x in args.seeds.split(',')))
+  elif args.cmd == 'figures':
+    figures(args.out, args.hours, args.only)
+  else:
+    import fidelity_report  # pylint: disable=g-import-not-at-top
+    fidelity_report.write(args.out)
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,144 @@
+"""bench/fidelity_tools.py: the study's compressor against NumPy, and probes
+that observe without changing the trajectory."""
+
+import importlib.util
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import scape_jax
+from tests.reference import k_of
+
+_BENCH = os.path.join(os.path.dirname(os.path.dirname(__file__)), 'bench')
+sys.path.insert(0, _BENCH)
+_spec = importlib.util.spec_from_file_location(
+    'fidelity_tools', os.path.join(_BENCH, 'fidelity_tools.py'))
+ft = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ft)
+
+
+def _tree(seed, shapes):
+  rng = np.random.default_rng(seed)
+  return {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+
+
+def topk_ef_reference(grads_seq, density, sparse_from):
+  """NumPy: per leaf with ndim >= 2, keep the k largest |g + e| from a step."""
+  e = None
+  for t, grads in enumerate(grads_seq):
+    e = e or {k: np.zeros_like(g) for k, g in grads.items()}
+    out = {}
+    for name, g in grads.items():
+      if t < sparse_from:
+        out[name] = g
+        continue
+      acc = g + e[name]
+      if g.ndim < 2:
+        out[name], e[name] = acc, np.zeros_like(acc)
+        continue
+      k = k_of(density, acc.size)
+      order = np.argsort(-np.abs(acc).reshape(-1), kind='stable')[:k]
+      keep = np.zeros(acc.size, bool)
+      keep[order] = True
+      keep = keep.reshape(acc.shape)
+      out[name] = np.where(keep, acc, 0)
+      e[name] = np.where(keep, 0, acc)
+    yield out, e
+
+
+def test_topk_error_feedback_matches_numpy():
+  shapes = {'w': (12, 9), 'v': (5, 4, 3), 'b': (9,)}
+  seq = [_tree(s, shapes) for s in range(6)]
+  density, sparse_from = 0.2, 2
+  tx = ft.topk_error_feedback()
+  state = tx.init(seq[0])
+  step = jax.jit(tx.update, static_argnames='density')
+  sent_total = 0.0
+  for t, ((want, want_e), g) in enumerate(
+      zip(topk_ef_reference(seq, density, sparse_from), seq)):
+    got, state = step(g, state, density=density if t >= sparse_from else 1.0)
+    for k in shapes:
+      np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=k)
+      np.testing.assert_allclose(state.residual[k], want_e[k], rtol=1e-6)
+    norm_e = np.sqrt(sum(np.sum(x**2) for x in want_e.values()))
+    np.testing.assert_allclose(state.residual_norm, norm_e, rtol=1e-5)
+    sent_total += float(np.sum(got['w'] != 0))
+  # Sparse steps keep exactly k of the 108 entries of w.
+  assert sent_total == 2 * 108 + 4 * k_of(density, 108)
+  assert float(state.residual_norm) > 0
+
+
+def test_first_moment_overlap_counts_shared_topk():
+  shapes = {'w': (10, 10), 'b': (10,)}
+  tx = ft.first_moment_overlap(scape_jax.scale_by_adams(), density=0.1)
+  g = _tree(0, shapes)
+  state = tx.init(g)
+  update = jax.jit(tx.update)
+  _, state = update(g, state)
+  assert float(state.overlap['w']) == 0.0  # nothing before the first step
+  _, state = update(g, state)  # same gradient: same ranking of |m|
+  assert float(state.overlap['w']) == 1.0
+  _, state = update(jax.tree.map(lambda x: -30 * x[::-1], g), state)
+  assert float(state.overlap['w']) < 1.0
+  assert set(state.overlap) == {'w'}
+
+
+def test_probe_changes_no_update_and_measures_the_fresh_step():
+  """Single worker, no clipping: the probe returns scale_by_scape's updates,
+  and a coordinate selected after waiting moves by (1-b1)/sqrt(1-b2)."""
+  shapes = {'w': (40, 10), 'b': (10,)}
+  b1, b2, eps = 0.9, 0.95, 1e-8
+  inner = scape_jax.scale_by_scape(0.1, b1=b1, b2=b2, eps=eps, clip_norm=None,
+                                   axis_name=None)
+  probe = ft.scape_probe(inner, b1=b1, b2=b2, eps=eps, clip_norm=None,
+                         axis_name=None)
+  params = _tree(0, shapes)
+  s_plain, s_probe = inner.init(params), probe.init(params)
+  plain_step, probe_step = jax.jit(inner.update), jax.jit(probe.update)
+  fresh_steps = []
+  for t in range(30):
+    g = _tree(t + 1, shapes)
+    u_plain, s_plain = plain_step(g, s_plain)
+    u_probe, s_probe = probe_step(g, s_probe)
+    for k in shapes:
+      np.testing.assert_array_equal(u_plain[k], u_probe[k])
+    stats = s_probe.stats
+    if float(stats['fresh_frac']) > 0:
+      fresh_steps.append((float(stats['step_fresh']),
+                          float(stats['step_fresh_pred'])))
+  assert fresh_steps
+  for got, want in fresh_steps[-5:]:
+    assert got == pytest.approx(want, rel=1e-4)
+  hist = sum(float(v) for k, v in s_probe.stats.items()
+             if k.startswith('selected/'))
+  assert hist == pytest.approx(1.0)
+  assert 0 < float(s_probe.stats['cos_adams']) < 1
+
+
+def test_grid_keys_share_identical_runs_and_every_point_has_adams():
+  spec = importlib.util.spec_from_file_location(
+      'fidelity', os.path.join(_BENCH, 'fidelity.py'))
+  fidelity = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(fidelity)
+  runs = fidelity.grid_runs()
+  keys = {}
+  for point, method, seed, overrides in runs:
+    keys.setdefault((point, method, seed), fidelity.run_key(overrides))
+  # AdamS ignores SCAPE's warmup: the warmup points reuse the base AdamS run.
+  assert (keys[(('warmup', '0'), 'AdamS', 0)] ==
+          keys[(('base', ''), 'AdamS', 0)] == 'name=adams,seed=0')
+  assert keys[(('warmup', '0'), 'SCAPE d=0.1', 0)] != keys[
+      (('base', ''), 'SCAPE d=0.1', 0)]
+  assert len(set(keys.values())) < len(keys)
+  # Only the seed the diagnosis reads goes through the probe.
+  assert keys[(('base', ''), 'fresh d=0.1', 0)] == (
+      'name=probe_scape,density=0.1,variant=fresh,seed=0')
+  assert keys[(('base', ''), 'SCAPE d=0.01', 1)] == (
+      'name=scape,density=0.01,variant=faithful,seed=1')
+  for axis, value, _, names in fidelity.POINTS:
+    assert 'AdamS' in names and len(fidelity.SEEDS) == 2, (axis, value)
