@@ -145,6 +145,17 @@ def test_auto_resolves_per_lowering_platform():
   assert int(jnp.sum(jax.lax.population_count(words))) == 10
   for platform, choice in topk.AUTO_SELECT.items():
     assert choice in topk.SELECTS and choice != 'auto', platform
+  # A narrow top-k takes the sort on CPU, a wide one the search.
+  assert topk.auto_select('cpu', topk.AUTO_SORT_MAX_WIDTH['cpu']) == 'sort'
+  assert topk.auto_select('cpu', topk.AUTO_SORT_MAX_WIDTH['cpu'] + 1) == (
+      topk.AUTO_SELECT['cpu'])
+  assert topk.auto_select('tpu', 1) == topk.AUTO_SELECT['tpu']
+  x = jax.random.normal(jax.random.key(1), (4096,))
+  for width in (16, 2048):
+    np.testing.assert_array_equal(
+        np.asarray(topk.chunk_topk_words(x, 4000, width, width)),
+        np.asarray(topk.chunk_topk_words(x, 4000, width, width,
+                                         select='sort')))
 
 
 def test_rejects_bad_select_and_width():

@@ -31,7 +31,10 @@ Selections (`SELECTS`):
     on smooth data (`tests/test_topk.py` bounds them).
   * 'pallas': the same search with the counting and mask passes as Pallas
     kernels (`scape_jax.kernels.topk_mask`); Triton on GPU, Mosaic on TPU.
-  * 'auto': `AUTO_SELECT[platform]`, resolved when the program is lowered
+  * 'auto': `AUTO_SELECT[platform]`, except 'sort' where the top-k width is
+    at most `AUTO_SORT_MAX_WIDTH[platform]` (XLA:CPU's top-k costs about
+    linear in k, the search about linear in the chunk with a fixed floor:
+    `bench/select_crossover.py`). Resolved when the program is lowered
     (`jax.lax.platform_dependent`), so a program lowered for another
     platform gets that platform's choice.
 """
@@ -50,6 +53,9 @@ SELECTS = ('auto', 'sort', 'threshold', 'pallas')
 # cuda and tpu but have not been timed on either (docs/design.md).
 AUTO_SELECT = {'cpu': 'threshold', 'cuda': 'threshold', 'rocm': 'threshold',
                'tpu': 'threshold'}
+# 'auto' takes 'sort' for a width up to this, per platform (measured on CPU
+# only: `bench/select_crossover.py`; no entry: never).
+AUTO_SORT_MAX_WIDTH = {'cpu': 1024}
 SAMPLE = 1 << 14  # sampled keys that steer the first passes
 FINISH = 512  # keys left in the bracket when their rows are gathered and sorted
 _FILL_KEY = PAD_KEY - 1  # below every key: rows gathered past the chunk
@@ -83,15 +89,23 @@ def chunk_topk_words(scores: jax.Array, num_valid, width: int, k, *,
   k = jnp.asarray(k, jnp.int32)
   num_valid = jnp.asarray(num_valid, jnp.int32)
   if select == 'auto':
-    choices = sorted(set(AUTO_SELECT.values()))
+    per_platform = {p: auto_select(p, width) for p in AUTO_SELECT}
+    choices = sorted(set(per_platform.values()))
     if len(choices) == 1:
       select = choices[0]
     else:
-      branches = {p: _bound(s, width) for p, s in AUTO_SELECT.items()}
+      branches = {p: _bound(s, width) for p, s in per_platform.items()}
       return jax.lax.platform_dependent(
           scores, num_valid, k, default=_bound('threshold', width),
           **branches)
   return _bound(select, width)(scores, num_valid, k)
+
+
+def auto_select(platform: str, width: int) -> str:
+  """What select='auto' runs on `platform` for a top-k of width `width`."""
+  if width <= AUTO_SORT_MAX_WIDTH.get(platform, 0):
+    return 'sort'
+  return AUTO_SELECT.get(platform, 'threshold')
 
 
 def _bound(select: str, width: int) -> Callable:
