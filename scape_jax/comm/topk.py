@@ -31,12 +31,13 @@ Selections (`SELECTS`):
     on smooth data (`tests/test_topk.py` bounds them).
   * 'pallas': the same search with the counting and mask passes as Pallas
     kernels (`scape_jax.kernels.topk_mask`); Triton on GPU, Mosaic on TPU.
-  * 'auto': `AUTO_SELECT[platform]`, except 'sort' where the top-k width is
-    at most `AUTO_SORT_MAX_WIDTH[platform]` (XLA:CPU's top-k costs about
-    linear in k, the search about linear in the chunk with a fixed floor:
-    `bench/select_crossover.py`). Resolved when the program is lowered
+  * 'auto': `AUTO_SELECT[platform]`, resolved when the program is lowered
     (`jax.lax.platform_dependent`), so a program lowered for another
-    platform gets that platform's choice.
+    platform gets that platform's choice. Except: where the top-k width is
+    at most `AUTO_SORT_MAX_WIDTH` of the backend the program is *traced* on
+    (jax.default_backend()), 'sort' (XLA:CPU's top-k costs about linear in
+    k, the search about linear in the chunk with a fixed floor:
+    `bench/select_crossover.py`). Both give the same bits.
 """
 
 from typing import Callable, NamedTuple
@@ -88,13 +89,15 @@ def chunk_topk_words(scores: jax.Array, num_valid, width: int, k, *,
     raise ValueError(f'chunk_topk_words: width={width} must be in [1, {c}].')
   k = jnp.asarray(k, jnp.int32)
   num_valid = jnp.asarray(num_valid, jnp.int32)
+  if select == 'auto' and width <= AUTO_SORT_MAX_WIDTH.get(
+      jax.default_backend(), 0):
+    select = 'sort'  # by the backend this is traced on (see the docstring)
   if select == 'auto':
-    per_platform = {p: auto_select(p, width) for p in AUTO_SELECT}
-    choices = sorted(set(per_platform.values()))
+    choices = sorted(set(AUTO_SELECT.values()))
     if len(choices) == 1:
       select = choices[0]
     else:
-      branches = {p: _bound(s, width) for p, s in per_platform.items()}
+      branches = {p: _bound(s, width) for p, s in AUTO_SELECT.items()}
       return jax.lax.platform_dependent(
           scores, num_valid, k, default=_bound('threshold', width),
           **branches)
@@ -102,7 +105,8 @@ def chunk_topk_words(scores: jax.Array, num_valid, width: int, k, *,
 
 
 def auto_select(platform: str, width: int) -> str:
-  """What select='auto' runs on `platform` for a top-k of width `width`."""
+  """What select='auto' runs for a top-k of width `width`, traced and
+  lowered on `platform`."""
   if width <= AUTO_SORT_MAX_WIDTH.get(platform, 0):
     return 'sort'
   return AUTO_SELECT.get(platform, 'threshold')
