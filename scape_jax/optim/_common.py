@@ -5,8 +5,9 @@ themselves.
 Defaults follow the SCAPE paper's Llama-500M run (design note, section 1).
 """
 
+import functools
 import math
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -160,3 +161,22 @@ def check_per_worker_state(where: str, norm: jax.Array) -> None:
         f'{where}: per-worker state has leading size {norm.shape[:1]}, '
         'expected 1. Pass the state through shard_map with '
         'in_specs=scape_jax.state_partition_specs(state).')
+
+
+def at_density_level(step: Callable[[int], Any], density_level,
+                     levels: Sequence[float], scheduled_level):
+  """`step(level)` at the trainer's static `density_level` if given, else at
+  `scheduled_level` (traced) through a `lax.switch` over every level.
+
+  Raises:
+    ValueError: `density_level` is not in 0..len(levels) - 1.
+  """
+  if density_level is not None:
+    if not 0 <= int(density_level) < len(levels):
+      raise ValueError(f'scape: density_level={density_level!r}; allowed: '
+                       f'0..{len(levels) - 1} (levels {levels}).')
+    return step(int(density_level))
+  if len(levels) == 1:
+    return step(0)
+  return jax.lax.switch(scheduled_level, [functools.partial(step, i)
+                                          for i in range(len(levels))])

@@ -134,17 +134,8 @@ def scale_by_scape_dist(
     step = functools.partial(_update_at_level, updates,
                              _memory.to_device(state), plan=plan,
                              hyper=hyper, schedule=schedule)
-    if density_level is not None:
-      if not 0 <= int(density_level) < len(levels):
-        raise ValueError(f'scape: density_level={density_level!r}; allowed: '
-                         f'0..{len(levels) - 1} (levels {levels}).')
-      direction, new_state = step(int(density_level))
-    elif len(levels) == 1:
-      direction, new_state = step(0)
-    else:
-      direction, new_state = jax.lax.switch(
-          schedule.level(state.count),
-          [functools.partial(step, i) for i in range(len(levels))])
+    direction, new_state = _common.at_density_level(
+        step, density_level, levels, schedule.level(state.count))
     return direction, _memory.like(new_state, state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
