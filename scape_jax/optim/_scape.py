@@ -208,14 +208,7 @@ def scale_by_scape(
   _common.check_eps('scale_by_scape', eps)
   if clip_norm is not None:
     _common.check_non_negative('scale_by_scape', 'clip_norm', clip_norm)
-  if isinstance(density, DensitySchedule):
-    if density_warmup_steps:
-      raise ValueError(
-          f'scape: density is a DensitySchedule; give its warmup there, not '
-          f'density_warmup_steps={density_warmup_steps!r}.')
-    schedule = density
-  else:
-    schedule = DensitySchedule(density, density_warmup_steps)
+  schedule = _density_schedule(density, density_warmup_steps)
   levels = schedule.levels
   offset_bits = masks.check_wire_request(mask_encoding, offset_bits)
   payload.check_payload_dtype(payload_dtype)
@@ -227,27 +220,7 @@ def scale_by_scape(
                  offset_bits=offset_bits, variant=variant)
 
   def init_fn(params):
-    n, local = _common.axis_context('scape init', axis_name)
-    leading = 1 if local else n
-    plan = CompressionPlan.create(params, compress, n)
-    per_worker = functools.partial(_common.per_worker, leading=leading,
-                                   axis_name=axis_name, local=local)
-    residual, own_mask = [], []
-    for p, layout in zip(jax.tree.leaves(params), plan.layouts):
-      if layout is None:
-        residual.append(optax.MaskedNode())
-        own_mask.append(optax.MaskedNode())
-      else:
-        residual.append(per_worker(jnp.zeros(p.shape, jnp.float32)))
-        all_ones = masks.pack_bits(jnp.ones((layout.chunk_size,), bool))
-        own_mask.append(per_worker(all_ones))  # M_0 = 1
-    return ScaleByScapeState(
-        count=jnp.zeros([], jnp.int32),
-        mu=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
-        residual=plan.treedef.unflatten(residual),
-        mask=plan.treedef.unflatten(own_mask),
-        residual_norm=per_worker(jnp.zeros([], jnp.float32)),
-        density=jnp.ones([], jnp.float32))
+    return _init_state(params, compress, axis_name)
 
   def update_fn(updates, state, params=None, *, density_level=None, **extra):
     del params, extra
@@ -263,6 +236,41 @@ def scale_by_scape(
     return direction, _memory.like(new_state, state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _density_schedule(density, density_warmup_steps: int) -> DensitySchedule:
+  """`density` as a `DensitySchedule` (a float gets `density_warmup_steps`)."""
+  if not isinstance(density, DensitySchedule):
+    return DensitySchedule(density, density_warmup_steps)
+  if density_warmup_steps:
+    raise ValueError(
+        f'scape: density is a DensitySchedule; give its warmup there, not '
+        f'density_warmup_steps={density_warmup_steps!r}.')
+  return density
+
+
+def _init_state(params, compress: MaskOrFn, axis_name) -> ScaleByScapeState:
+  """Algorithm 1's initial state: m = 0, e = 0, M_0 = all ones."""
+  n, local = _common.axis_context('scape init', axis_name)
+  plan = CompressionPlan.create(params, compress, n)
+  per_worker = functools.partial(_common.per_worker, leading=1 if local else n,
+                                 axis_name=axis_name, local=local)
+  residual, own_mask = [], []
+  for p, layout in zip(jax.tree.leaves(params), plan.layouts):
+    if layout is None:
+      residual.append(optax.MaskedNode())
+      own_mask.append(optax.MaskedNode())
+    else:
+      residual.append(per_worker(jnp.zeros(p.shape, jnp.float32)))
+      all_ones = masks.pack_bits(jnp.ones((layout.chunk_size,), bool))
+      own_mask.append(per_worker(all_ones))  # M_0 = 1
+  return ScaleByScapeState(
+      count=jnp.zeros([], jnp.int32),
+      mu=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+      residual=plan.treedef.unflatten(residual),
+      mask=plan.treedef.unflatten(own_mask),
+      residual_norm=per_worker(jnp.zeros([], jnp.float32)),
+      density=jnp.ones([], jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
