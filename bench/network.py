@@ -13,25 +13,35 @@ What runs (bench/netlab.py builds the network):
   10.200.0.10:PORT --num-processes N --process-id i` in namespace i, one CPU
   device per process, gloo collectives. Same model (`llama20m`, 19.1M
   parameters, fp32), data (a synthetic corpus) and per-worker batch for every
-  method; only the `optimizer.*` lines of `METHODS` differ.
+  method; only the `optimizer.*` lines of `METHODS` differ, and for DiLoCo
+  and Pier the mesh (2 replica groups of N/2 workers, a sync every 3 steps,
+  AdamW inside) and the number of steps (12 and 21, whatever --steps says).
 * The no-communication reference: the same method, the same per-worker batch,
   N=1, run as N independent single-process copies at once (one per
   namespace), so that each copy gets the same share of this machine's cores
   as a worker of the N-process job. And the N-worker step without a network:
   one process with N simulated CPU devices, collectives in memory, the same
-  per-worker work (SCAPE's top-k over 1/N of each leaf) as the job.
+  per-worker work (SCAPE's top-k over 1/N of each leaf) as the job. For
+  DiLoCo and Pier, N=1 is one group of one worker (mesh.replica=1: every
+  phase runs, the outer arithmetic included, its all-reduces over one
+  device) and in memory uses the job's mesh (2 groups x N/2 devices).
 
 What is measured, per (method, link):
 * the median step time over the steps after `--warmup`, from the
   `wall_time` the trainer logs when each step's metrics arrive (log_every=1);
+  for DiLoCo and Pier, whose sync steps are periodic spikes, the MEAN over
+  whole sync intervals instead, beside the median inner step, the median
+  sync step and Pier's median lazy-start step (bench/network_outer.py);
 * bytes each worker sent per step, from the kernel's counters of its link
   (the bridge port's rx counters = the worker's eth0 tx counters), polled
   every 10 ms and interpolated at the first and last timed step; the TCP
   payload is those bytes minus `netlab.HEADER_BYTES` per frame;
 * beside them, the bytes the compiled step's HLO predicts (the trainer's
-  `comm_bytes`), and the alpha-beta projection (bench/projected_step_time.py)
-  for this link: the HLO's collectives, the link's measured round-trip time
-  and bulk goodput, and the reference step as compute.
+  `comm_bytes`; DiLoCo and Pier: its mean over the whole intervals, i.e.
+  amortised over r), and the alpha-beta projection
+  (bench/projected_step_time.py) for this link: the HLO's collectives (per
+  program: inner and sync steps), the link's measured round-trip time and
+  bulk goodput, and the reference step as compute.
 
 Every job leaves its raw measurements under `--run-dir` (metrics.jsonl,
 counters.txt, worker logs, qdisc.json; link.json per link), and the report
@@ -61,20 +71,36 @@ sys.path[:0] = [p for p in (ROOT, os.path.join(ROOT, 'bench'))
                 if p not in sys.path]
 
 import netlab  # noqa: E402  pylint: disable=g-import-not-at-top
+import network_outer  # noqa: E402  pylint: disable=g-import-not-at-top
 import network_report  # noqa: E402  pylint: disable=g-import-not-at-top
 
 TRAIN = os.path.join(ROOT, 'train.py')
 
 # label -> the config lines that select the method. Everything else is the
 # same for every method. A method added to scape_jax/train/methods.py is
-# benchmarked by adding one line here, e.g.
-#   'DiLoCo H=8': {'optimizer.name': 'diloco', 'optimizer.diloco.steps': 8},
+# benchmarked by adding one line here.
+#
+# DiLoCo and Pier (issue 14) run on a two-level mesh: mesh.replica=2 groups
+# of N/2 workers (N=1: one group of one), AdamW inside (the paper's
+# comparison), a sync every r = 3 steps, so that the default 3-step warm-up
+# ends with a sync step and the 12 steps hold 3 whole intervals after it.
+# Pier runs 21 steps with lazy_start=0.4 (the paper: 0.1 of a long run):
+# L = floor(0.4 * 21) = 8 lazy-start steps, 5 of them timed, then a sync
+# step (t = 9) and 4 whole intervals (t = 10..21). See bench/network_outer.py.
+OUTER_SYNC_EVERY = 3
 METHODS = {
     'AdamW': {'optimizer.name': 'adamw'},
     'AdamS': {'optimizer.name': 'adams'},
     'SCAPE d=0.1': {'optimizer.name': 'scape', 'optimizer.scape.density': 0.1},
     'SCAPE d=0.01': {'optimizer.name': 'scape',
                      'optimizer.scape.density': 0.01},
+    'DiLoCo': {'optimizer.name': 'diloco', 'optimizer.diloco.inner': 'adamw',
+               'optimizer.diloco.sync_every': OUTER_SYNC_EVERY,
+               'mesh.replica': 2, 'steps': 12},
+    'Pier': {'optimizer.name': 'pier', 'optimizer.pier.inner': 'adamw',
+             'optimizer.pier.sync_every': OUTER_SYNC_EVERY,
+             'optimizer.pier.lazy_start': 0.4, 'mesh.replica': 2,
+             'steps': 21},
 }
 BASELINE = 'AdamS'  # speed-ups are relative to this method on the same link
 
@@ -128,9 +154,16 @@ def config_args(overrides: dict) -> list:
 
 def job_overrides(method: dict, shared: dict, workers: int, batch: int,
                   steps: int, data_dir: str, out_dir: str) -> dict:
-  return {**shared, **method, 'data.corpus': data_dir,
-          'data.batch_size': batch * workers, 'mesh.data': workers,
-          'steps': steps, 'out_dir': out_dir}
+  """The config lines of one run. A method's own `steps` (DiLoCo, Pier)
+  replaces `steps`; its `mesh.replica` groups split the workers (N=1: one
+  group of one worker)."""
+  replica = int(method.get('mesh.replica', 1)) if workers > 1 else 1
+  if workers % replica:
+    raise ValueError(f'{workers} workers do not split into mesh.replica='
+                     f'{replica} groups')
+  return {**shared, 'steps': steps, **method, 'data.corpus': data_dir,
+          'data.batch_size': batch * workers, 'mesh.replica': replica,
+          'mesh.data': workers // replica, 'out_dir': out_dir}
 
 
 def _raised(log: str) -> bool:
@@ -177,6 +210,7 @@ def launch(cluster: netlab.Cluster, overrides: list, out_dirs: list,
   try:
     for i in range(n):
       os.makedirs(out_dirs[i], exist_ok=True)
+      network_outer.write_config(out_dirs[i], overrides[i])
       logs.append(os.path.join(out_dirs[i], f'worker{i}.log'))
       files.append(open(logs[-1], 'wb'))  # pylint: disable=consider-using-with
       dist = [] if coordinator is None else [
@@ -221,24 +255,29 @@ def step_times(metrics: dict, warmup: int) -> list:
           for k in range(warmup + 1, last + 1)]
 
 
-def hlo_collectives(log_path: str) -> list:
-  """The collectives table process 0 printed (trainer: per device per step)."""
+def _collective_row(line: str):
+  """A row of the trainer's collectives table, or None."""
   from scape_jax import analysis  # pylint: disable=g-import-not-at-top
-  cols, inside = [], False
-  with open(log_path, errors='replace') as f:
-    for line in f:
-      if line.startswith('collectives of the train step'):
-        inside = True
-      elif inside and line.startswith('total sent'):
-        break
-      elif inside and line.split() and line.split()[0] in analysis.KINDS:
-        kind, dtype, elements, n, count = line.split()[:5]
-        cols.append(analysis.Collective(
-            kind, dtype, int(elements), int(n),
-            None if count == '?' else int(count), line.split()[7]))
-  if not inside:
+  if not (line.split() and line.split()[0] in analysis.KINDS):
+    return None
+  kind, dtype, elements, n, count = line.split()[:5]
+  return analysis.Collective(kind, dtype, int(elements), int(n),
+                             None if count == '?' else int(count),
+                             line.split()[7])
+
+
+def hlo_tables(log_path: str) -> list:
+  """[(phase or None, collectives)]: the tables process 0 printed (trainer:
+  per device per step; one per program, the last step's first)."""
+  tables = network_outer.collective_tables(log_path, _collective_row)
+  if not tables:
     raise ValueError(f'no collectives table in {log_path}')
-  return cols
+  return tables
+
+
+def hlo_collectives(log_path: str) -> list:
+  """The collectives of the last step's program."""
+  return hlo_tables(log_path)[0][1]
 
 
 def kernel_bytes(samples_path: str, t0: float, t1: float, steps: int) -> list:
@@ -258,13 +297,18 @@ def kernel_bytes(samples_path: str, t0: float, t1: float, steps: int) -> list:
 
 
 def summarize_job(out_dir: str, warmup: int) -> dict:
-  """Step times, HLO bytes and loss from one run's metrics.jsonl."""
+  """Step times, HLO bytes and loss from one run's metrics.jsonl: the median
+  step; for DiLoCo and Pier the mean over whole sync intervals and each
+  phase's (bench/network_outer.py)."""
   metrics = read_metrics(out_dir)
+  if phases := network_outer.step_phases(out_dir):
+    return network_outer.summarize(metrics, phases, warmup)
   times = step_times(metrics, warmup)
   last = max(metrics)
   return {'metrics': metrics, 'step_s': statistics.median(times),
           'step_s_min': min(times), 'step_s_max': max(times),
-          'timed_steps': len(times), 't0': metrics[warmup]['wall_time'],
+          'timed_steps': len(times), 'step_stat': 'median',
+          't0': metrics[warmup]['wall_time'],
           't1': metrics[last]['wall_time'], 'last': last,
           'hlo_bytes': metrics[last]['comm_bytes'],
           'final_loss': metrics[last]['loss']}
@@ -274,9 +318,10 @@ def read_job(out_dir: str, warmup: int) -> dict:
   """Everything a cluster job measured, read back from its directory."""
   job = summarize_job(out_dir, warmup)
   job['per_worker'] = kernel_bytes(os.path.join(out_dir, 'counters.txt'),
-                                   job['t0'], job['t1'],
-                                   job['last'] - warmup)
-  job['collectives'] = hlo_collectives(os.path.join(out_dir, 'worker0.log'))
+                                   job['t0'], job['t1'], job['timed_steps'])
+  tables = hlo_tables(os.path.join(out_dir, 'worker0.log'))
+  job['collectives'] = tables[0][1]
+  job['phase_collectives'] = {phase: cols for phase, cols in tables if phase}
   with open(os.path.join(out_dir, 'qdisc.json')) as f:
     job['qdisc'] = json.load(f)
   return job
@@ -290,7 +335,9 @@ def read_reference(root: str, warmup: int) -> dict:
           'step_s_min': min(c['step_s'] for c in copies),
           'step_s_max': max(c['step_s'] for c in copies),
           'timed_steps': copies[0]['timed_steps'],
-          'final_loss': copies[0]['final_loss']}
+          'step_stat': copies[0]['step_stat'],
+          'final_loss': copies[0]['final_loss'],
+          **network_outer.combine_copies(copies)}
 
 
 # ----------------------------------------------------------------------------

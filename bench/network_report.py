@@ -29,7 +29,11 @@ FIELDS = (
     'kernel_tx_bytes', 'kernel_tx_frames', 'kernel_payload_bytes',
     'payload_vs_hlo', 'payload_minus_hlo_bytes', 'kernel_rx_bytes',
     'qdisc_drops', 'model_compute_ms', 'model_comm_ms', 'proj_step_ms',
-    'proj_step_ms_mask_overlap', 'proj_step_ms_nominal', 'final_loss')
+    'proj_step_ms_mask_overlap', 'proj_step_ms_nominal', 'final_loss',
+    # DiLoCo and Pier (bench/network_outer.py); step_ms is then the mean.
+    'step_stat', 'sync_every', 'window', 'intervals', 'inner_step_ms',
+    'sync_step_ms', 'lazy_step_ms', 'lazy_steps', 'hlo_inner_bytes',
+    'hlo_sync_bytes')
 FAST_LINK = 'unlimited'
 REFERENCE = 'none (N=1)'  # the `link` of the no-communication rows
 IN_MEMORY = 'in memory'  # ... of the N-device, one-process rows
@@ -72,14 +76,77 @@ def model_compute_s(results: dict, label: str, baseline: str) -> float:
   return ref['step_s'] if ref else math.nan
 
 
-def _nominal_s(link: netlab.Link, probe: dict, cols, compute_s: float) -> float:
-  """The projection for the link as specified (its rate; its delay even where
-  the kernel could not apply it)."""
-  if link.rate_mbit is None:
-    return math.nan
-  extra = 0.0 if probe['delay_applied'] else link.delay_ms
-  return project(cols, compute_s, link.rate_mbit,
-                 probe['rtt_ms'] / 2 + extra)[0]
+def _nominal_one_way_ms(link: netlab.Link, probe: dict) -> float:
+  """Alpha for the link as specified (its delay even where the kernel could
+  not apply it)."""
+  return probe['rtt_ms'] / 2 + (0.0 if probe['delay_applied']
+                                else link.delay_ms)
+
+
+def plain_model(job: dict, results: dict, label: str, baseline: str,
+                link: netlab.Link, probe: dict) -> dict:
+  """The alpha-beta model of a method whose steps are all one program."""
+  compute_s = model_compute_s(results, label, baseline)
+  one_way_ms = probe['rtt_ms'] / 2
+  cols = job['collectives']
+  proj, overlap = project(cols, compute_s, probe['mbit'], one_way_ms)
+  nominal = (math.nan if link.rate_mbit is None else project(
+      cols, compute_s, link.rate_mbit, _nominal_one_way_ms(link, probe))[0])
+  return {'compute_s': compute_s,
+          'comm_s': comm_model_s(cols, probe['mbit'], one_way_ms),
+          'proj_s': proj, 'overlap_s': overlap, 'nominal_s': nominal}
+
+
+def outer_model(job: dict, results: dict, label: str, link: netlab.Link,
+                probe: dict) -> dict:
+  """DiLoCo's and Pier's model: per phase (inner, sync) its collectives and
+  its compute (its mean step on the unlimited link minus the modelled
+  communication there), weighted by the phase's share of the window. Not
+  available (NaN) without the unlimited link's job or a phase's table."""
+  nan = dict.fromkeys(('compute_s', 'comm_s', 'proj_s', 'overlap_s',
+                       'nominal_s'), math.nan)
+  fast = results['jobs'].get((FAST_LINK, label))
+  counts, tables = job['phase_counts'], job.get('phase_collectives', {})
+  if not fast or any(p not in tables or p not in fast.get(
+      'phase_collectives', {}) for p in counts):
+    return nan
+  fast_probe = results['links'][FAST_LINK]
+  compute = {p: max(fast['phase_mean_s'][p] - comm_model_s(
+      fast['phase_collectives'][p], fast_probe['mbit'],
+      fast_probe['rtt_ms'] / 2), 0.0) for p in counts}
+  n = sum(counts.values())
+
+  def mean(fn) -> float:
+    return sum(c * fn(p) for p, c in counts.items()) / n
+
+  one_way_ms = probe['rtt_ms'] / 2
+  cols = lambda p: tables[p]  # noqa: E731
+  nominal = (math.nan if link.rate_mbit is None else mean(
+      lambda p: project(cols(p), compute[p], link.rate_mbit,
+                        _nominal_one_way_ms(link, probe))[0]))
+  return {
+      'compute_s': mean(compute.get),
+      'comm_s': mean(lambda p: comm_model_s(cols(p), probe['mbit'],
+                                            one_way_ms)),
+      'proj_s': mean(lambda p: project(cols(p), compute[p], probe['mbit'],
+                                       one_way_ms)[0]),
+      'overlap_s': mean(lambda p: project(cols(p), compute[p], probe['mbit'],
+                                          one_way_ms)[1]),
+      'nominal_s': nominal}
+
+
+def outer_fields(run: dict) -> dict:
+  """The CSV's DiLoCo/Pier columns of a run (blank for other methods)."""
+  if 'phase_s' not in run:
+    return {'step_stat': run.get('step_stat', 'median')}
+  ms = lambda p: 1e3 * run['phase_s'][p]  # noqa: E731
+  return {'step_stat': run['step_stat'], 'sync_every': run['sync_every'],
+          'window': '{}-{}'.format(*run['window']),
+          'intervals': run['intervals'], 'inner_step_ms': ms('inner'),
+          'sync_step_ms': ms('sync'), 'lazy_step_ms': ms('lazy'),
+          'lazy_steps': run['lazy_steps'],
+          'hlo_inner_bytes': run['hlo_phase_bytes'].get('inner', ''),
+          'hlo_sync_bytes': run['hlo_phase_bytes'].get('sync', '')}
 
 
 def job_row(link: netlab.Link, probe: dict, label: str, job: dict,
@@ -90,10 +157,8 @@ def job_row(link: netlab.Link, probe: dict, label: str, job: dict,
   payload = mean('payload')
   nocomm = results['reference'].get(baseline, {}).get('step_s', math.nan)
   own = results['reference'].get(label, {}).get('step_s', math.nan)
-  compute_s = model_compute_s(results, label, baseline)
-  one_way_ms = probe['rtt_ms'] / 2
-  proj, proj_overlap = project(job['collectives'], compute_s, probe['mbit'],
-                               one_way_ms)
+  model = (outer_model(job, results, label, link, probe) if 'phase_s' in job
+           else plain_model(job, results, label, baseline, link, probe))
   return {
       'link': link.name, 'rate_mbit': link.rate_mbit or '',
       'delay_ms': link.delay_ms, 'delay_applied': probe['delay_applied'],
@@ -113,14 +178,12 @@ def job_row(link: netlab.Link, probe: dict, label: str, job: dict,
       'payload_minus_hlo_bytes': payload - job['hlo_bytes'],
       'kernel_rx_bytes': mean('rx_bytes'),
       'qdisc_drops': sum(q['drops'] for q in job['qdisc']),
-      'model_compute_ms': 1e3 * compute_s,
-      'model_comm_ms': 1e3 * comm_model_s(job['collectives'], probe['mbit'],
-                                          one_way_ms),
-      'proj_step_ms': 1e3 * proj,
-      'proj_step_ms_mask_overlap': 1e3 * proj_overlap,
-      'proj_step_ms_nominal': 1e3 * _nominal_s(link, probe, job['collectives'],
-                                               compute_s),
-      'final_loss': job['final_loss']}
+      'model_compute_ms': 1e3 * model['compute_s'],
+      'model_comm_ms': 1e3 * model['comm_s'],
+      'proj_step_ms': 1e3 * model['proj_s'],
+      'proj_step_ms_mask_overlap': 1e3 * model['overlap_s'],
+      'proj_step_ms_nominal': 1e3 * model['nominal_s'],
+      'final_loss': job['final_loss'], **outer_fields(job)}
 
 
 def reference_row(link: str, label: str, ref: dict, args, workers: int,
@@ -135,7 +198,7 @@ def reference_row(link: str, label: str, ref: dict, args, workers: int,
              step_ms_max=1e3 * ref['step_s_max'],
              nocomm_step_ms=1e3 * nocomm_s, vs_nocomm=ref['step_s'] / nocomm_s,
              hlo_bytes=0,
-             final_loss=ref['final_loss'])
+             final_loss=ref['final_loss'], **outer_fields(ref))
   return row
 
 
@@ -302,7 +365,8 @@ def markdown(rows: list, results: dict, args, baseline: str) -> str:
             'specified, ms |', '|---|---|---|---|---|---|---|---|']
   for r in rows:
     lines.append(
-        f'| {r["link"]} | {r["method"]} | {_fmt(r["step_ms"], 0)} | '
+        f'| {r["link"]} | {r["method"]} | {_fmt(r["step_ms"], 0)}'
+        f'{"" if r["step_stat"] == "median" else " †"} | '
         f'{_fmt(r["step_ms_min"], 0)}-{_fmt(r["step_ms_max"], 0)} | '
         f'{_fmt(r["vs_nocomm"], 2)} | {_fmt(r["speedup_vs_baseline"], 2)} | '
         f'{_fmt(r["proj_step_ms"], 0)} | '
@@ -318,11 +382,62 @@ def markdown(rows: list, results: dict, args, baseline: str) -> str:
           f'{r["kernel_tx_bytes"]:,.0f} | {r["kernel_tx_frames"]:,.0f} | '
           f'{r["kernel_payload_bytes"]:,.0f} | '
           f'{100 * r["payload_vs_hlo"]:+.2f}% | {r["qdisc_drops"]} |')
+  lines += outer_table(rows)
   for (name, label), error in results.get('failed', {}).items():
     lines.append(f'\n**{label} on {name} failed:** `{error.splitlines()[0]}`')
   lines += ['', '## Acceptance (issue 11)', ''] + acceptance(rows, baseline)
   lines += ['', '![step time per method and link](network.png)', '']
   return '\n'.join(lines)
+
+
+def outer_table(rows: list) -> list:
+  """Markdown lines: DiLoCo's and Pier's phases, times and bytes."""
+  outer = [r for r in rows if r['step_stat'] == 'mean']
+  if not outer:
+    return []
+  lines = [
+      '', '## DiLoCo and Pier: sync intervals', '',
+      'Mesh `replica=2, data=N/2`: DiLoCo and Pier with AdamW inside, its '
+      'exchange over `data` only, the sync step\'s all-reduce of the '
+      'parameter change over `replica`. Their N=1 rows are one group of one '
+      'worker (every phase runs, the outer arithmetic included, with no '
+      'communication); their in-memory rows use the job\'s mesh on N '
+      'simulated devices. On these links every worker\'s link is shaped '
+      'alike: the inner exchange crosses the same link as the sync (no fast '
+      'intra-group links as in Pier\'s clusters).', '',
+      '† In the step-time table above, DiLoCo\'s and Pier\'s step is the '
+      '**mean over whole sync intervals** (the steps after the first sync '
+      'step at or after the warm-up, up to the last sync step: one sync '
+      'step per r), not the median: their sync steps are periodic spikes. '
+      'Beside it here: the median inner step and the median sync step of '
+      'that window, and Pier\'s median lazy-start step (AdamW over every '
+      'worker; its timed steps before the window). Bytes per worker: the '
+      'HLO\'s per program (the trainer\'s `comm_bytes` of an inner and of a '
+      'sync step) and both counts amortised over the window (the HLO\'s mean '
+      'per step; the kernel\'s TCP payload over the window / its steps).',
+      '',
+      '| link | method | r | window (steps) | intervals | mean step ms | '
+      'inner ms (median) | sync ms (median) | lazy start ms (median, steps) '
+      '| HLO inner B | HLO sync B | HLO amortised B | kernel payload '
+      'amortised B |', '|---|---|---|---|---|---|---|---|---|---|---|---|---|']
+  for r in outer:
+    lazy = (f'{_fmt(r["lazy_step_ms"], 0)} ({r["lazy_steps"]})'
+            if r['lazy_steps'] else '')
+    counted = (_fmt(float(r['kernel_payload_bytes']), 0)
+               if r['kernel_payload_bytes'] != '' else '')
+    hlo = _fmt(float(r['hlo_bytes']), 0) if r['hlo_bytes'] else ''
+    lines.append(
+        f'| {r["link"]} | {r["method"]} | {r["sync_every"]} | {r["window"]} '
+        f'| {r["intervals"]} | {_fmt(r["step_ms"], 0)} | '
+        f'{_fmt(r["inner_step_ms"], 0)} | {_fmt(r["sync_step_ms"], 0)} | '
+        f'{lazy} | {_fmt(float(r["hlo_inner_bytes"] or 0), 0)} | '
+        f'{_fmt(float(r["hlo_sync_bytes"] or 0), 0)} | {hlo} | {counted} |')
+  lines += ['', 'Their alpha-beta columns combine a model per phase: the '
+            'phase\'s collectives (the trainer prints one table per program) '
+            'and its compute (its mean step on the unlimited link minus the '
+            'modelled communication there), weighted by the phase\'s share '
+            'of the window; blank without an unlimited-link job.']
+  return lines
 
 
 def plot(rows: list, path: str) -> None:

@@ -13,6 +13,7 @@ without privileges is tested everywhere.
 """
 
 import importlib
+import math
 import os
 import pathlib
 import signal
@@ -232,3 +233,139 @@ def test_report_verdicts(tmp_path):
   report.write(results, args, network.PROFILES, 'AdamS')
   for ext in ('csv', 'md', 'png'):
     assert (tmp_path / 'out' / f'network.{ext}').stat().st_size > 0
+
+
+# ----------------------------------------------------------------------------
+# DiLoCo and Pier: two-level mesh, sync intervals, per-phase model.
+
+
+def test_outer_methods_split_the_workers_into_replica_groups():
+  for label in ('DiLoCo', 'Pier'):
+    method = network.METHODS[label]
+    job = network.job_overrides(method, network.SHARED, 4, 1, 12, 'd', 'o')
+    assert (job['mesh.replica'], job['mesh.data']) == (2, 2), label
+    assert job['steps'] == method['steps'] and job['data.batch_size'] == 4
+    one = network.job_overrides(method, network.SHARED, 1, 1, 12, 'd', 'o')
+    assert (one['mesh.replica'], one['mesh.data']) == (1, 1)  # one group of 1
+  plain = network.job_overrides(network.METHODS['AdamW'], network.SHARED, 4,
+                                1, 12, 'd', 'o')
+  assert (plain['mesh.replica'], plain['mesh.data'], plain['steps']) == (
+      1, 4, 12)
+  with pytest.raises(ValueError, match='3 workers do not split into '
+                     'mesh.replica=2'):
+    network.job_overrides(network.METHODS['DiLoCo'], network.SHARED, 3, 1,
+                          12, 'd', 'o')
+
+
+def _write_run(out_dir, overrides, wall, comm):
+  """A run directory as the bench leaves it: its config and metrics."""
+  import json
+  out_dir.mkdir(parents=True, exist_ok=True)
+  outer = importlib.import_module('network_outer')
+  outer.write_config(str(out_dir), overrides)
+  with open(out_dir / 'metrics.jsonl', 'w') as f:
+    for t in sorted(wall):
+      f.write(json.dumps({'step': t, 'split': 'train', 'wall_time': wall[t],
+                          'comm_bytes': comm(t), 'loss': 5.0}) + '\n')
+
+
+def test_pier_window_is_whole_sync_intervals_after_the_lazy_start(tmp_path):
+  # Pier as benchmarked: 21 steps, r = 3, L = floor(0.4 * 21) = 8. Inner
+  # steps take 1 s, sync steps 4 s, lazy-start steps 2 s (lazy_sync 2.5 s).
+  over = network.job_overrides(network.METHODS['Pier'], network.SHARED, 4,
+                               1, 12, 'd', str(tmp_path))
+  outer = importlib.import_module('network_outer')
+  _write_run(tmp_path, over, {}, None)
+  phases = outer.step_phases(str(tmp_path))
+  assert [phases[t] for t in range(1, 10)] == [
+      'lazy', 'lazy', 'lazy_sync', 'lazy', 'lazy', 'lazy_sync', 'lazy',
+      'switch', 'sync']
+  assert [t for t in phases if phases[t] == 'sync'] == [9, 12, 15, 18, 21]
+  cost = {'inner': 1.0, 'sync': 4.0, 'lazy': 2.0, 'lazy_sync': 2.5,
+          'switch': 2.0}
+  byte = {'inner': 100, 'sync': 300, 'lazy': 150, 'lazy_sync': 150,
+          'switch': 150}
+  wall, clock = {}, 1000.0
+  for t in range(1, 22):
+    clock += cost[phases[t]] + (7.0 if t == 9 else 0.0)  # first sync: slow
+    wall[t] = clock
+  _write_run(tmp_path, over, wall, lambda t: byte[phases[t]])
+  job = network.summarize_job(str(tmp_path), warmup=3)
+  # The window: after the first sync at/after the warm-up (t = 9), to t = 21.
+  assert job['window'] == (10, 21) and job['intervals'] == 4
+  assert job['timed_steps'] == 12 and job['sync_every'] == 3
+  assert job['step_stat'] == 'mean'
+  assert job['step_s'] == pytest.approx((8 * 1.0 + 4 * 4.0) / 12)
+  assert job['phase_s'] == {'inner': 1.0, 'sync': 4.0, 'lazy': 2.0}
+  assert job['lazy_steps'] == 5  # t = 4..8
+  assert job['hlo_bytes'] == pytest.approx((8 * 100 + 4 * 300) / 12)
+  assert job['hlo_phase_bytes'] == {'inner': 100, 'sync': 300}
+  assert (job['t0'], job['t1']) == (wall[9], wall[21])
+  # A plain method's run (no phases): the median, as before.
+  _write_run(tmp_path / 'adamw', network.job_overrides(
+      network.METHODS['AdamW'], network.SHARED, 4, 1, 12, 'd', 'o'),
+             wall, lambda t: 7)
+  assert network.summarize_job(str(tmp_path / 'adamw'), 3)['step_stat'] == (
+      'median')
+
+
+def test_collectives_tables_per_program(tmp_path):
+  from scape_jax import analysis
+  inner = [analysis.Collective('all-reduce', 'f32', 1000, 2, 1, 'ar')]
+  sync = inner + [analysis.Collective('all-reduce', 'f32', 1000, 2, 1, 'ar.1')]
+  log = tmp_path / 'worker0.log'
+  log.write_text(
+      'collectives of the train step (phase=sync), per device per step:\n'
+      f'{analysis.format_table(sync)}\n'
+      'collectives of the train step (density_level=1, phase=inner), per '
+      f'device per step:\n{analysis.format_table(inner)}\nstep 1 | loss 5\n')
+  assert network.hlo_tables(str(log)) == [('sync', sync), ('inner', inner)]
+  assert network.hlo_collectives(str(log)) == sync  # the last step's
+
+
+def test_report_of_outer_rows(tmp_path):
+  report = importlib.import_module('network_report')
+  args = network.parse_args(['--run-dir', str(tmp_path),
+                             '--out', str(tmp_path / 'out')])
+  from scape_jax import analysis
+  inner = [analysis.Collective('all-reduce', 'f32', 250_000, 2, 1, 'ar')]
+  sync = inner + [analysis.Collective('all-reduce', 'f32', 250_000, 2, 1,
+                                      'ar.1')]
+
+  def job(mean_s, inner_s, sync_s):
+    return {'step_s': mean_s, 'step_s_min': inner_s, 'step_s_max': sync_s,
+            'step_stat': 'mean', 'timed_steps': 9, 'window': (4, 12),
+            'intervals': 3, 'sync_every': 3, 'lazy_steps': 0,
+            'phase_s': {'inner': inner_s, 'sync': sync_s, 'lazy': math.nan},
+            'phase_mean_s': {'inner': inner_s, 'sync': sync_s},
+            'phase_counts': {'inner': 6, 'sync': 3},
+            'hlo_bytes': 2e6, 'hlo_phase_bytes': {'inner': 1e6, 'sync': 2e6},
+            'final_loss': 5.0, 'collectives': inner, 'qdisc': [{'drops': 0}],
+            'phase_collectives': {'inner': inner, 'sync': sync},
+            'per_worker': [{'tx_bytes': 1.34e6, 'tx_frames': 1,
+                            'payload': 1.34e6, 'rx_bytes': 1}]}
+
+  probe = {'rtt_ms': 0.0, 'mbit': 8.0, 'delay_applied': True}
+  fast = {'rtt_ms': 0.0, 'mbit': 8e12, 'delay_applied': True}
+  results = {
+      'links': {'unlimited': fast, '100mbit': probe},
+      'jobs': {('unlimited', 'DiLoCo'): job(0.2, 0.1, 0.4),
+               ('100mbit', 'DiLoCo'): job(2.0, 1.1, 2.4)},
+      'reference': {}, 'in_memory': {}, 'failed': {}}
+  rows = report.build_rows(results, args, network.PROFILES, 'AdamS')
+  slow = report._find(rows, '100mbit', 'DiLoCo')
+  # 1 MB at 8 Mb/s = 1 s per inner step, 2 s per sync step, plus each
+  # phase's compute from the unlimited link: (6 * 1.1 + 3 * 2.4) / 9.
+  assert slow['model_comm_ms'] == pytest.approx(1e3 * 4 / 3, rel=1e-6)
+  assert slow['proj_step_ms'] == pytest.approx(1e3 * (6 * 1.1 + 3 * 2.4) / 9,
+                                               rel=1e-6)
+  assert (slow['inner_step_ms'], slow['sync_step_ms']) == (
+      pytest.approx(1100), pytest.approx(2400))
+  text = report.markdown(rows, results, args, 'AdamS')
+  assert '| 100mbit | DiLoCo | 2,000 † |' in text
+  assert ('| 100mbit | DiLoCo | 3 | 4-12 | 3 | 2,000 | 1,100 | 2,400 |  | '
+          '1,000,000 | 2,000,000 | 2,000,000 | 1,340,000 |') in text
+  # Without the unlimited link's job the model is left blank.
+  del results['jobs'][('unlimited', 'DiLoCo')]
+  rows = report.build_rows(results, args, network.PROFILES, 'AdamS')
+  assert math.isnan(report._find(rows, '100mbit', 'DiLoCo')['proj_step_ms'])

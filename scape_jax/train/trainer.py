@@ -39,30 +39,34 @@ class StepPrograms:
     self._program = program
     self._compiled = {}
 
-  def _key(self, step: int) -> tuple:
+  def key(self, step: int) -> tuple:
+    """The program of the update after `step`: its sorted static args."""
     return tuple(sorted(self._program.method.update_kwargs(step).items()))
 
   def __call__(self, step: int):
     """(executable, bytes sent per device) for the update after `step`."""
-    key = self._key(step)
+    key = self.key(step)
     if key not in self._compiled:
       exe = self._program.compile_step(step)
       self._compiled[key] = exe, analysis.collectives_from_hlo(exe.as_text())
     exe, cols = self._compiled[key]
     return exe, analysis.bytes_sent(cols)
 
+  def first_steps(self, start: int, end: int) -> dict:
+    """{program key: the first of the steps start..end-1 that runs it}."""
+    firsts = {}
+    for step in range(start, end):
+      firsts.setdefault(self.key(step), step)
+    return firsts
+
   def compile_all(self, start: int, end: int) -> None:
     """Compiles every program that the updates after start..end-1 use."""
-    seen = set()
-    for step in range(start, end):
-      key = self._key(step)
-      if key not in seen:
-        seen.add(key)
-        self(step)
+    for step in self.first_steps(start, end).values():
+      self(step)
 
   def collectives(self, step: int):
     self(step)
-    return self._compiled[self._key(step)][1]
+    return self._compiled[self.key(step)][1]
 
 
 class _DataFeed:
@@ -261,8 +265,7 @@ def train(cfg: config_lib.Config, devices=None, *,
   programs = StepPrograms(program)
   programs.compile_all(start, cfg.steps)  # compile every program before timing
   if leader:
-    print('collectives of the train step, per device per step:')
-    print(analysis.format_table(programs.collectives(cfg.steps - 1)))
+    _print_collectives(programs, start, cfg.steps)
   try:
     last_eval = _loop(cfg, program, programs, feed, reporter, resumed,
                       _Saver(cfg, ckpt, feed, resumed.config_history))
@@ -270,6 +273,19 @@ def train(cfg: config_lib.Config, devices=None, *,
     ckpt.close()
     reporter.close()
   return _summarize(cfg, reporter, start, last_eval)
+
+
+def _print_collectives(programs: StepPrograms, start: int, end: int) -> None:
+  """Each program's collectives, the last step's first. With several
+  programs (e.g. DiLoCo's inner and sync steps) each table's header names
+  its static arguments: `collectives of the train step (phase=sync), ...`."""
+  last = programs.key(end - 1)
+  firsts = {last: end - 1, **programs.first_steps(start, end)}
+  for key, step in firsts.items():
+    label = (f' ({", ".join(f"{k}={v}" for k, v in key)})'
+             if len(firsts) > 1 else '')
+    print(f'collectives of the train step{label}, per device per step:')
+    print(analysis.format_table(programs.collectives(step)))
 
 
 def _loop(cfg, program: Program, programs: StepPrograms, feed: _DataFeed,
