@@ -13,35 +13,31 @@ What runs (bench/netlab.py builds the network):
   10.200.0.10:PORT --num-processes N --process-id i` in namespace i, one CPU
   device per process, gloo collectives. Same model (`llama20m`, 19.1M
   parameters, fp32), data (a synthetic corpus) and per-worker batch for every
-  method; only the `optimizer.*` lines of `METHODS` differ, and for DiLoCo
-  and Pier the mesh (2 replica groups of N/2 workers, a sync every 3 steps,
-  AdamW inside) and the number of steps (12 and 21, whatever --steps says).
+  method; only the `optimizer.*` lines of `METHODS` differ (DiLoCo, Pier:
+  also the mesh and the number of steps, see `METHODS`).
 * The no-communication reference: the same method, the same per-worker batch,
   N=1, run as N independent single-process copies at once (one per
   namespace), so that each copy gets the same share of this machine's cores
   as a worker of the N-process job. And the N-worker step without a network:
   one process with N simulated CPU devices, collectives in memory, the same
-  per-worker work (SCAPE's top-k over 1/N of each leaf) as the job. For
-  DiLoCo and Pier, N=1 is one group of one worker (mesh.replica=1: every
-  phase runs, the outer arithmetic included, its all-reduces over one
-  device) and in memory uses the job's mesh (2 groups x N/2 devices).
+  per-worker work (SCAPE's top-k over 1/N of each leaf) as the job. DiLoCo
+  and Pier: N=1 is one group of one worker (every phase runs, with no
+  communication); in memory uses the job's mesh (2 groups x N/2 devices).
 
 What is measured, per (method, link):
 * the median step time over the steps after `--warmup`, from the
   `wall_time` the trainer logs when each step's metrics arrive (log_every=1);
-  for DiLoCo and Pier, whose sync steps are periodic spikes, the MEAN over
-  whole sync intervals instead, beside the median inner step, the median
-  sync step and Pier's median lazy-start step (bench/network_outer.py);
+  DiLoCo and Pier (sync steps are periodic spikes): the MEAN over whole
+  sync intervals, beside each phase's median (bench/network_outer.py);
 * bytes each worker sent per step, from the kernel's counters of its link
   (the bridge port's rx counters = the worker's eth0 tx counters), polled
   every 10 ms and interpolated at the first and last timed step; the TCP
   payload is those bytes minus `netlab.HEADER_BYTES` per frame;
 * beside them, the bytes the compiled step's HLO predicts (the trainer's
-  `comm_bytes`; DiLoCo and Pier: its mean over the whole intervals, i.e.
-  amortised over r), and the alpha-beta projection
-  (bench/projected_step_time.py) for this link: the HLO's collectives (per
-  program: inner and sync steps), the link's measured round-trip time and
-  bulk goodput, and the reference step as compute.
+  `comm_bytes`; DiLoCo, Pier: amortised over r), and the alpha-beta
+  projection (bench/projected_step_time.py) for this link: the HLO's
+  collectives (per program), the link's measured round-trip time and bulk
+  goodput, and the reference step as compute.
 
 Every job leaves its raw measurements under `--run-dir` (metrics.jsonl,
 counters.txt, worker logs, qdisc.json; link.json per link), and the report
@@ -76,17 +72,11 @@ import network_report  # noqa: E402  pylint: disable=g-import-not-at-top
 
 TRAIN = os.path.join(ROOT, 'train.py')
 
-# label -> the config lines that select the method. Everything else is the
-# same for every method. A method added to scape_jax/train/methods.py is
-# benchmarked by adding one line here.
-#
-# DiLoCo and Pier (issue 14) run on a two-level mesh: mesh.replica=2 groups
-# of N/2 workers (N=1: one group of one), AdamW inside (the paper's
-# comparison), a sync every r = 3 steps, so that the default 3-step warm-up
-# ends with a sync step and the 12 steps hold 3 whole intervals after it.
-# Pier runs 21 steps with lazy_start=0.4 (the paper: 0.1 of a long run):
-# L = floor(0.4 * 21) = 8 lazy-start steps, 5 of them timed, then a sync
-# step (t = 9) and 4 whole intervals (t = 10..21). See bench/network_outer.py.
+# label -> the config lines that select the method (a method added to the
+# registry is benchmarked by adding one line). DiLoCo and Pier: 2 replica
+# groups of N/2 workers, AdamW inside, a sync every r = 3 steps (the 3-step
+# warm-up ends with one); DiLoCo 12 steps (3 whole intervals timed), Pier 21
+# with lazy_start=0.4: 8 lazy-start steps (5 timed), a sync, 4 intervals.
 OUTER_SYNC_EVERY = 3
 METHODS = {
     'AdamW': {'optimizer.name': 'adamw'},
@@ -154,9 +144,8 @@ def config_args(overrides: dict) -> list:
 
 def job_overrides(method: dict, shared: dict, workers: int, batch: int,
                   steps: int, data_dir: str, out_dir: str) -> dict:
-  """The config lines of one run. A method's own `steps` (DiLoCo, Pier)
-  replaces `steps`; its `mesh.replica` groups split the workers (N=1: one
-  group of one worker)."""
+  """The config lines of one run. A method's own `steps` replaces `steps`;
+  its `mesh.replica` groups split the workers (N=1: one group of one)."""
   replica = int(method.get('mesh.replica', 1)) if workers > 1 else 1
   if workers % replica:
     raise ValueError(f'{workers} workers do not split into mesh.replica='
@@ -458,7 +447,7 @@ def parse_args(argv=None):
                  '(no sch_netem) instead of running rate-only')
   p.add_argument('--job-timeout', type=float, default=900.0,
                  help='seconds per job before it is killed')
-  p.add_argument('--max-minutes', type=float, default=45.0,
+  p.add_argument('--max-minutes', type=float, default=75.0,
                  help='the whole run\'s limit: a job is cut at it, later ones '
                  'are skipped and reported as such')
   p.add_argument('--run-dir', default=os.path.join(ROOT, 'runs', 'network'))
@@ -596,8 +585,9 @@ def main(argv=None) -> int:
       except KeyboardInterrupt as e:
         print(f'interrupted ({e or "SIGINT"}); cleaned up', file=sys.stderr)
         return 130
-    with open(os.path.join(args.run_dir, 'run.json'), 'w') as f:
-      json.dump({'seconds': time.monotonic() - start, 'command': command}, f)
+    network_report.record_run(args.run_dir, {
+        'seconds': time.monotonic() - start, 'command': command,
+        'commit': network_report.commit(ROOT)})
   results = collect(args)
   if not results['jobs'] and not results['reference']:
     print(f'error: no measurements in {args.run_dir}', file=sys.stderr)

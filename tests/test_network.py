@@ -369,3 +369,18 @@ def test_report_of_outer_rows(tmp_path):
   del results['jobs'][('unlimited', 'DiLoCo')]
   rows = report.build_rows(results, args, network.PROFILES, 'AdamS')
   assert math.isnan(report._find(rows, '100mbit', 'DiLoCo')['proj_step_ms'])
+
+
+def test_run_json_keeps_the_earlier_runs(tmp_path):
+  report = importlib.import_module('network_report')
+  (tmp_path / 'run.json').write_text('{"seconds": 60, "command": "old"}')
+  report.record_run(str(tmp_path), {'seconds': 120, 'command': 'new',
+                                    'commit': 'abc1234'})
+  args = network.parse_args(['--report-only', '--run-dir', str(tmp_path)])
+  results = network.collect(args)
+  assert (results['command'], results['earlier']) == (
+      'new', [{'seconds': 60, 'command': 'old'}])
+  intro = '\n'.join(report._intro(results, args, 'AdamS'))
+  assert ('Command: `new` (2.0 min on' in intro and 'commit abc1234). Rows '
+          'this command did not run come from earlier runs' in intro and
+          '`old` (1.0 min, commit not recorded)' in intro), intro
