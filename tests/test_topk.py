@@ -166,9 +166,9 @@ def test_rejects_bad_select_and_width():
 
 
 def test_chunk_over_two_million_takes_the_grouped_paths():
-  # Past 128 * 128 rows of 128 (2**21 entries) the candidate rows are found
-  # group by group (`_first_nonzero`'s long path): a chunk of llama-100m's
-  # size class at N=1.
+  # Past 128 * 128 rows of 128 (2**21 entries) `_locate` finds a tie's row
+  # group by group (its long path): a chunk of llama-100m's size class at
+  # N=1.
   c = (1 << 21) + 3001
   rng = np.random.default_rng(3)
   x = rng.normal(size=c).astype(np.float32)
@@ -179,6 +179,19 @@ def test_chunk_over_two_million_takes_the_grouped_paths():
     np.testing.assert_array_equal(np.asarray(got),
                                   _numpy_words(x, num_valid, k),
                                   err_msg=f'n={num_valid} k={k}')
+
+
+@pytest.mark.parametrize('n,size,p', [(1000, 512, 0.9), (300, 512, 0.5),
+                                      (70000, 512, 0.003), (70000, 512, 0.5)])
+def test_first_nonzero_matches_numpy(n, size, p):
+  # More and fewer nonzero counts than `size`, n below and above it.
+  rng = np.random.default_rng(n)
+  counts = np.where(rng.random(n) < p, 3, 0)
+  counts[rng.integers(0, n)] = 1
+  want = np.flatnonzero(counts)[:size]
+  want = np.concatenate([want, np.full(size - want.size, n)])
+  got = topk._first_nonzero(jnp.asarray(counts, jnp.int32), size)
+  np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def _passes(x, k, monkeypatch):

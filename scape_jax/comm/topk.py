@@ -26,7 +26,7 @@ Selections (`SELECTS`):
     with a margin that widens after a miss, and after two passes without
     progress a ternary split of the key range (`_search`). Once at most
     `FINISH` candidates are left, the rows that hold them are gathered and
-    sorted. Ties at T are cut at the offset where the count of chosen ties
+    T is read off their `lax.top_k`. Ties at T are cut at the offset where the count of chosen ties
     reaches k, and one mask pass emits the packed words. A handful of passes
     on smooth data (`tests/test_topk.py` bounds them).
   * 'pallas': the same search with the counting and mask passes as Pallas
@@ -400,7 +400,8 @@ def _candidates(passes: _Passes, b: _Bracket, k):
   rows = _first_nonzero(counts[:, 0] - counts[:, 1], FINISH)
   keys = passes.row_keys(rows).reshape(-1)  # ascending offsets
   candidates = jnp.where((keys >= b.lo) & (keys < b.hi), keys, _FILL_KEY)
-  t = -jnp.sort(-candidates)[k - b.c_hi - 1]
+  _, order = jax.lax.top_k(_float_order(candidates), FINISH)
+  t = candidates[order[k - b.c_hi - 1]]  # the (k - c_hi)-th largest
   need = k - b.c_hi - jnp.sum(candidates > t)
   position, _ = _locate((candidates == t).astype(jnp.int32), need)
   offset = rows[position // ROW] * ROW + position % ROW
@@ -432,16 +433,25 @@ def _locate(counts: jax.Array, need) -> tuple:
 def _first_nonzero(counts: jax.Array, size: int) -> jax.Array:
   """The ascending indices of the first `size` nonzero counts (n past them).
 
-  A stable sort of (count == 0) for short vectors; longer ones first find
-  the groups of ROW entries that hold them, so nothing long is sorted.
+  `lax.top_k` of the negated indices of the nonzero counts: XLA sorts only
+  what it must, where a stable argsort of (count == 0) sorts the whole
+  vector (several times slower on CPU at tens of thousands of rows).
   """
   n = counts.shape[0]
-  if n <= 128 * ROW:
-    order = jnp.argsort(counts == 0, stable=True)[:size].astype(jnp.int32)
-    return jnp.where(counts[order] != 0, order, n)
-  groups = jnp.pad(counts, (0, -n % ROW)).reshape(-1, ROW)
-  chosen = _first_nonzero(jnp.sum(groups, axis=1), size)
-  inner = groups.at[chosen].get(mode='fill', fill_value=0).reshape(-1)
-  index = (chosen[:, None] * ROW + jnp.arange(ROW, dtype=jnp.int32)).reshape(-1)
-  order = jnp.argsort(inner == 0, stable=True)[:size]
-  return jnp.where(inner[order] != 0, index[order], n)
+  if n >= 1 << 24:  # -index would round in float32
+    raise ValueError(f'_first_nonzero: {n} rows; at most 2**24 - 1.')
+  index = jnp.arange(n, dtype=jnp.int32)
+  score = jnp.where(counts != 0, -index.astype(jnp.float32), -jnp.inf)
+  _, order = jax.lax.top_k(score, min(size, n))
+  order = order.astype(jnp.int32)
+  order = jnp.where(counts[order] != 0, order, n)
+  return jnp.pad(order, (0, size - order.shape[0]), constant_values=n)
+
+
+def _float_order(keys: jax.Array) -> jax.Array:
+  """Keys (>= _FILL_KEY) as fp32 in the same order, for `lax.top_k`: a key
+  >= 0 is the bit pattern of a non-negative float (`NAN_KEY` a positive
+  NaN, which `lax.top_k` ranks above +inf, as the key ranks); PAD_KEY and
+  _FILL_KEY become -1.0 and -2.0."""
+  return jnp.where(keys < 0, keys.astype(jnp.float32),
+                   jax.lax.bitcast_convert_type(keys, jnp.float32))
