@@ -148,6 +148,28 @@ def label(r) -> str:
   return f'scape d={r["density"]:g} {r["encoding"]}'
 
 
+def compute_time(args, params: int) -> tuple:
+  """(seconds per step, where the number comes from, a file tag)."""
+  if args.compute_ms is not None:
+    compute_s, source, tag = args.compute_ms / 1e3, (
+        f'given: --compute-ms {args.compute_ms:g}'), 'given'
+  elif args.effective_tflops is not None:
+    if not args.tokens_per_worker:
+      raise SystemExit('--effective-tflops needs --tokens-per-worker')
+    compute_s = 6.0 * params * args.tokens_per_worker / (
+        args.effective_tflops * 1e12)
+    source = (f'FLOP estimate 6 * {params:,} params * '
+              f'{args.tokens_per_worker:,} tokens / {args.effective_tflops:g}'
+              ' TFLOP/s (an assumption, not a measurement)')
+    tag = 'flops'
+  else:
+    compute_s = cpu_compute_seconds(args.model, args.micro_batch, args.seq_len)
+    source = (f'MEASURED ON CPU ({os.cpu_count()} cores): jitted forward+'
+              f'backward, {args.micro_batch} x {args.seq_len} tokens')
+    tag = 'cpu'
+  return compute_s, source, tag
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--model', default='llama500m')
@@ -168,23 +190,7 @@ def main(argv=None):
     data = json.load(f)
   rows = find_rows(data['rows'], args.model, args.workers)
   params = rows[0]['params']
-  if args.compute_ms is not None:
-    compute_s, source, tag = args.compute_ms / 1e3, (
-        f'given: --compute-ms {args.compute_ms:g}'), 'given'
-  elif args.effective_tflops is not None:
-    if not args.tokens_per_worker:
-      raise SystemExit('--effective-tflops needs --tokens-per-worker')
-    compute_s = 6.0 * params * args.tokens_per_worker / (
-        args.effective_tflops * 1e12)
-    source = (f'FLOP estimate 6 * {params:,} params * '
-              f'{args.tokens_per_worker:,} tokens / {args.effective_tflops:g}'
-              ' TFLOP/s (an assumption, not a measurement)')
-    tag = 'flops'
-  else:
-    compute_s = cpu_compute_seconds(args.model, args.micro_batch, args.seq_len)
-    source = (f'MEASURED ON CPU ({os.cpu_count()} cores): jitted forward+'
-              f'backward, {args.micro_batch} x {args.seq_len} tokens')
-    tag = 'cpu'
+  compute_s, source, tag = compute_time(args, params)
   tag = args.tag or f'{args.model}_N{args.workers}_{tag}'
   print(f'{args.model}, N={args.workers}, {params:,} params; compute '
         f'{1e3 * compute_s:.1f} ms per step ({source}).')

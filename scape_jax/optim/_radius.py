@@ -208,25 +208,8 @@ def scale_by_radius(
                  weight_decay=weight_decay, index_radius=index_radius)
 
   def init_fn(params):
-    n, local = _common.axis_context('radius init', axis_name)
-    plan = RadiusPlan.create(params, compress, density, index_radius)
-    per_worker = functools.partial(_common.per_worker, leading=1 if local
-                                   else n, axis_name=axis_name, local=local)
-    mask, residual = [], []
-    for j, slots in enumerate(plan.slots):
-      if slots is None:
-        mask.append(optax.MaskedNode())
-        residual.append(optax.MaskedNode())
-      else:  # No mask until the first resample: every slot empty (= size).
-        mask.append(jnp.full((slots,), plan.size(j), jnp.int32))
-        residual.append(per_worker(jnp.zeros(plan.shapes[j], jnp.float32)))
-    return ScaleByRadiusState(
-        count=jnp.zeros([], jnp.int32),
-        adam=adam.init(jax.tree.map(
-            lambda p: jnp.zeros(p.shape, jnp.float32), params)),
-        mask=plan.treedef.unflatten(mask),
-        residual=plan.treedef.unflatten(residual),
-        residual_norm=per_worker(jnp.zeros([], jnp.float32)))
+    return _init_state(params, compress, density, index_radius, axis_name,
+                       adam)
 
   def update_fn(updates, state, params=None, *, step_kind=None, **extra):
     del extra
@@ -250,6 +233,31 @@ def scale_by_radius(
                            for kind in STEP_KINDS])
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _init_state(params, compress: MaskOrFn, density: float,
+                index_radius: int, axis_name, adam) -> ScaleByRadiusState:
+  """The initial state: no mask until the first resample (every slot empty,
+  = the leaf's size), zero residuals and Adam moments."""
+  n, local = _common.axis_context('radius init', axis_name)
+  plan = RadiusPlan.create(params, compress, density, index_radius)
+  per_worker = functools.partial(_common.per_worker, leading=1 if local
+                                 else n, axis_name=axis_name, local=local)
+  mask, residual = [], []
+  for j, slots in enumerate(plan.slots):
+    if slots is None:
+      mask.append(optax.MaskedNode())
+      residual.append(optax.MaskedNode())
+    else:
+      mask.append(jnp.full((slots,), plan.size(j), jnp.int32))
+      residual.append(per_worker(jnp.zeros(plan.shapes[j], jnp.float32)))
+  return ScaleByRadiusState(
+      count=jnp.zeros([], jnp.int32),
+      adam=adam.init(jax.tree.map(
+          lambda p: jnp.zeros(p.shape, jnp.float32), params)),
+      mask=plan.treedef.unflatten(mask),
+      residual=plan.treedef.unflatten(residual),
+      residual_norm=per_worker(jnp.zeros([], jnp.float32)))
 
 
 @dataclasses.dataclass(frozen=True)

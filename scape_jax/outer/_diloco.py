@@ -240,6 +240,15 @@ def _phase_fn(o: _Outer, phase: str):
 # The transformation.
 
 
+def _check_outer_hypers(outer_lr, outer_momentum, warmup_momentum) -> None:
+  _check_hyper('outer_lr', outer_lr, lambda x: x >= 0, '>= 0')
+  _check_hyper('outer_momentum', outer_momentum, lambda x: 0 <= x < 1,
+               'in [0, 1)')
+  if warmup_momentum is not None:
+    _check_hyper('warmup_momentum', warmup_momentum, lambda x: 0 <= x < 1,
+                 'in [0, 1)')
+
+
 def _check_hyper(name: str, value, ok, allowed: str) -> None:
   if callable(value) or isinstance(value, jax.core.Tracer):
     return
@@ -299,12 +308,7 @@ def diloco(
   if lazy_steps and lazy is None:
     raise ValueError(f'diloco: lazy_steps={lazy_steps} needs the lazy-start '
                      'transformation `lazy`.')
-  _check_hyper('outer_lr', outer_lr, lambda x: x >= 0, '>= 0')
-  _check_hyper('outer_momentum', outer_momentum, lambda x: 0 <= x < 1,
-               'in [0, 1)')
-  if warmup_momentum is not None:
-    _check_hyper('warmup_momentum', warmup_momentum, lambda x: 0 <= x < 1,
-                 'in [0, 1)')
+  _check_outer_hypers(outer_lr, outer_momentum, warmup_momentum)
   o = _Outer(optax.with_extra_args_support(inner),
              None if lazy is None else optax.with_extra_args_support(lazy),
              outer_lr, outer_momentum, warmup_momentum or 0.0, replica_axis)
