@@ -24,3 +24,17 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+import pytest  # noqa: E402
+
+from scape_jax.data.prepare import make_synthetic_corpus  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+  """A 2**16-token synthetic corpus, shared by the tests that run the
+  trainer (a module may define its own `corpus` instead)."""
+  path = str(tmp_path_factory.mktemp("corpus"))
+  make_synthetic_corpus(path, num_tokens=1 << 16)
+  return path

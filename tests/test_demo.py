@@ -1,7 +1,6 @@
 """DeMo against an independent NumPy simulation of its N workers."""
 
 import json
-import os
 import shutil
 
 import jax
@@ -13,11 +12,10 @@ import pytest
 import scape_jax
 from scape_jax import analysis
 from scape_jax import train as trainer
-from scape_jax.data.prepare import make_synthetic_corpus
 from scape_jax.optim import _demo
-from scape_jax.train import config as config_lib
 from tests import reference_methods as ref_lib
 from tests.mesh_runner import MeshRunner, random_params, worker_grads
+from tests.tiny_runs import run_config
 
 # Matrices, vectors, a scalar, rank 3, prime sides and leaves smaller than a
 # chunk (bloc97/DeMo issue 2: every shape must work).
@@ -173,22 +171,11 @@ def test_rejects_unbound_axis():
 # Through the trainer.
 
 
-@pytest.fixture(scope='module')
-def corpus(tmp_path_factory):
-  path = str(tmp_path_factory.mktemp('corpus'))
-  make_synthetic_corpus(path, num_tokens=1 << 16)
-  return path
-
-
 def _cfg(corpus, out_dir, *overrides):
-  base = [f'--config.data.corpus={corpus}', f'--config.out_dir={out_dir}',
-          '--config.model.dtype=float32', '--config.data.seq_len=32',
-          '--config.data.batch_size=16', '--config.eval_batches=1',
-          '--config.log_every=1', '--config.optimizer.decay=constant',
-          '--config.optimizer.warmup_steps=0', '--config.optimizer.lr=1e-3',
-          '--config.eval_every=0', '--config.optimizer.name=demo',
-          '--config.optimizer.demo.chunk=16', '--config.optimizer.demo.topk=8']
-  return config_lib.load(None, base + list(overrides))
+  return run_config(
+      corpus, out_dir, '--config.eval_every=0', '--config.optimizer.name=demo',
+      '--config.optimizer.demo.chunk=16', '--config.optimizer.demo.topk=8',
+      *overrides, lr='1e-3')
 
 
 def test_trainer_resumes_bit_exactly(corpus, tmp_path):

@@ -26,12 +26,12 @@ from scape_jax import outer
 from scape_jax import sharding
 from scape_jax import train as trainer
 from scape_jax.comm.collectives import pmean_gradients
-from scape_jax.data.prepare import make_synthetic_corpus
 from scape_jax.optim import _scape as scape_lib
 from scape_jax.train import checkpoint
 from scape_jax.train import config as config_lib
 from scape_jax.train import step as step_lib
 from scape_jax.train import trainer as trainer_lib
+from tests.tiny_runs import random_batches, run_config
 
 
 def _cfg(*overrides):
@@ -42,13 +42,7 @@ def _cfg(*overrides):
   return config_lib.load(None, base + list(overrides))
 
 
-def _batches(steps, batch=16, seq=16, vocab=256, seed=0):
-  rng = np.random.default_rng(seed)
-  out = []
-  for _ in range(steps):
-    tokens = rng.integers(0, vocab, size=(batch, seq + 1), dtype=np.int32)
-    out.append({'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]})
-  return out
+_batches = random_batches
 
 
 def _host(tree):
@@ -188,28 +182,16 @@ def test_bytes_of_the_inner_sync_and_lazy_programs():
 # Checkpoint and resume through the trainer.
 
 
-@pytest.fixture(scope='module')
-def corpus(tmp_path_factory):
-  path = str(tmp_path_factory.mktemp('corpus'))
-  make_synthetic_corpus(path, num_tokens=1 << 16)
-  return path
-
-
 class _Preempted(Exception):
   pass
 
 
 def _train_cfg(corpus, out_dir):
-  return config_lib.load(None, [
-      f'--config.data.corpus={corpus}', f'--config.out_dir={out_dir}',
-      '--config.model.dtype=float32', '--config.data.seq_len=32',
-      '--config.data.batch_size=16', '--config.eval_batches=1',
-      '--config.eval_every=0', '--config.log_every=1',
-      '--config.ckpt_every=3', '--config.optimizer.decay=constant',
-      '--config.optimizer.warmup_steps=0', '--config.optimizer.lr=3e-3',
+  return run_config(
+      corpus, out_dir, '--config.eval_every=0', '--config.ckpt_every=3',
       '--config.steps=6', '--config.mesh.replica=2',
       '--config.optimizer.name=pier', '--config.optimizer.pier.sync_every=2',
-      '--config.optimizer.pier.lazy_start=0.2'])
+      '--config.optimizer.pier.lazy_start=0.2')
 
 
 def _restored(out_dir, program, step):

@@ -20,6 +20,7 @@ from scape_jax import train as trainer
 from scape_jax.comm.collectives import pmean_gradients
 from scape_jax.train import config as config_lib
 from scape_jax.train import step as step_lib
+from tests.tiny_runs import random_batches
 
 
 def _cfg(*overrides):
@@ -30,13 +31,7 @@ def _cfg(*overrides):
   return config_lib.load(None, base + list(overrides))
 
 
-def _batches(steps, batch=16, seq=16, vocab=256, seed=0):
-  rng = np.random.default_rng(seed)
-  out = []
-  for _ in range(steps):
-    tokens = rng.integers(0, vocab, size=(batch, seq + 1), dtype=np.int32)
-    out.append({'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]})
-  return out
+_batches = random_batches
 
 
 def _run(cfg, batches):

@@ -13,11 +13,10 @@ import pytest
 import scape_jax
 from scape_jax import analysis
 from scape_jax import train as trainer
-from scape_jax.data.prepare import make_synthetic_corpus
-from scape_jax.train import config as config_lib
 from scape_jax.train.checkpoint import Checkpointer
 from tests.mesh_runner import MeshRunner, random_params, worker_grads
 from tests.reference_methods import RadiusReference
+from tests.tiny_runs import run_config
 
 SHAPES = {'w1': (24, 16), 'w2': (13, 7), 'b': (7,), 's': (16,)}
 
@@ -208,24 +207,12 @@ def test_rejects_bad_step_kind_and_unbound_axis():
 # Through the trainer.
 
 
-@pytest.fixture(scope='module')
-def corpus(tmp_path_factory):
-  path = str(tmp_path_factory.mktemp('corpus'))
-  make_synthetic_corpus(path, num_tokens=1 << 16)
-  return path
-
-
 def _cfg(corpus, out_dir, *overrides):
-  base = [f'--config.data.corpus={corpus}', f'--config.out_dir={out_dir}',
-          '--config.model.dtype=float32', '--config.data.seq_len=32',
-          '--config.data.batch_size=16', '--config.eval_batches=1',
-          '--config.log_every=1', '--config.optimizer.decay=constant',
-          '--config.optimizer.warmup_steps=0', '--config.optimizer.lr=3e-3',
-          '--config.eval_every=0', '--config.optimizer.name=radius',
-          '--config.optimizer.radius.interval=3',
-          '--config.optimizer.radius.dense_fraction=0.0',
-          '--config.optimizer.radius.density=0.1']
-  return config_lib.load(None, base + list(overrides))
+  return run_config(
+      corpus, out_dir, '--config.eval_every=0',
+      '--config.optimizer.name=radius', '--config.optimizer.radius.interval=3',
+      '--config.optimizer.radius.dense_fraction=0.0',
+      '--config.optimizer.radius.density=0.1', *overrides)
 
 
 def _train_rows(out_dir):

@@ -8,26 +8,13 @@ import numpy as np
 import pytest
 
 from scape_jax import analysis
-from scape_jax.train import config as config_lib
 from scape_jax.comm import masks
 from scape_jax import train as trainer
-from scape_jax.data.prepare import make_synthetic_corpus
-
-
-@pytest.fixture(scope='module')
-def corpus(tmp_path_factory):
-  path = str(tmp_path_factory.mktemp('corpus'))
-  make_synthetic_corpus(path, num_tokens=1 << 16)
-  return path
+from tests.tiny_runs import run_config
 
 
 def _cfg(corpus, out_dir, *overrides):
-  base = [f'--config.data.corpus={corpus}', f'--config.out_dir={out_dir}',
-          '--config.model.dtype=float32', '--config.data.seq_len=32',
-          '--config.data.batch_size=16', '--config.eval_batches=2',
-          '--config.log_every=1', '--config.optimizer.decay=constant',
-          '--config.optimizer.warmup_steps=0', '--config.optimizer.lr=3e-3']
-  return config_lib.load(None, base + list(overrides))
+  return run_config(corpus, out_dir, *overrides, eval_batches=2)
 
 
 def _train_losses(out_dir):

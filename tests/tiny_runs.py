@@ -1,0 +1,29 @@
+"""Shared pieces of the tests that run the trainer on a tiny model: the
+config of a short run on a synthetic corpus, and random token batches."""
+
+import numpy as np
+
+from scape_jax.train import config as config_lib
+
+
+def run_config(corpus, out_dir, *overrides, lr: str = '3e-3',
+               eval_batches: int = 1):
+  """A short float32 run: 32-token sequences, 16 per batch, constant lr,
+  metrics every step; `overrides` are `--config.KEY=VALUE` strings."""
+  base = [f'--config.data.corpus={corpus}', f'--config.out_dir={out_dir}',
+          '--config.model.dtype=float32', '--config.data.seq_len=32',
+          '--config.data.batch_size=16',
+          f'--config.eval_batches={eval_batches}', '--config.log_every=1',
+          '--config.optimizer.decay=constant',
+          '--config.optimizer.warmup_steps=0', f'--config.optimizer.lr={lr}']
+  return config_lib.load(None, base + list(overrides))
+
+
+def random_batches(steps, batch=16, seq=16, vocab=256, seed=0) -> list:
+  """`steps` batches of uniform random tokens: {'inputs', 'targets'}."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(steps):
+    tokens = rng.integers(0, vocab, size=(batch, seq + 1), dtype=np.int32)
+    out.append({'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]})
+  return out
