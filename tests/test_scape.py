@@ -91,7 +91,9 @@ def test_density_one_equals_adams_on_mean_gradient():
 
 @pytest.mark.parametrize('density,variant', [(0.1, 'faithful'),
                                              (0.01, 'faithful'),
-                                             (0.1, 'fresh')])
+                                             (0.1, 'fresh'),
+                                             (0.1, 'carry'),
+                                             (0.01, 'carry_v')])
 def test_matches_numpy_simulation_of_algorithm_1(density, variant):
   params = _params()
   n, steps, clip = 8, 20, 2.0
@@ -105,17 +107,24 @@ def test_matches_numpy_simulation_of_algorithm_1(density, variant):
   ref = ScapeReference([params[k] for k in names], compressed, n,
                        density=density, lr_fn=lambda i: float(lr_fn(i)),
                        clip=clip, variant=variant)
-  clipped, restarted = 0, 0
+  clipped, restarted, carried = 0, 0, 0
   for g in grads:
     run.step(g)
-    restarted += sum(int(np.sum((m == 0) & c)) for m, c in zip(
-        ref.m, [ref.mask[j][:p.size].reshape(p.shape) if compressed[j] else
-                np.zeros(p.shape, bool) for j, p in enumerate(ref.w)]))
+    in_force = [ref.mask[j][:p.size].reshape(p.shape) if compressed[j] else
+                np.zeros(p.shape, bool) for j, p in enumerate(ref.w)]
+    restarted += sum(int(np.sum((m == 0) & c))
+                     for m, c in zip(ref.m, in_force))
     clipped += ref.step([[g[k][w] for k in names] for w in range(n)]) > clip
+    # Compressed coordinates outside this step's M that still have m != 0.
+    carried += sum(int(np.sum((m != 0) & ~c)) for m, c, z in
+                   zip(ref.m, in_force, compressed) if z)
     st = _scape_state(run.state)
     for j, k in enumerate(names):
       np.testing.assert_allclose(np.asarray(run.params[k]), ref.w[j],
                                  rtol=2e-5, atol=2e-6, err_msg=k)
+      if variant == 'carry_v':
+        np.testing.assert_allclose(np.asarray(st.variant_state[k]), ref.v[j],
+                                   rtol=2e-5, atol=1e-9, err_msg=k)
       np.testing.assert_allclose(np.asarray(st.mu[k]), ref.m[j],
                                  rtol=2e-5, atol=2e-6, err_msg=k)
       if not compressed[j]:
@@ -130,7 +139,11 @@ def test_matches_numpy_simulation_of_algorithm_1(density, variant):
   assert float(st.density) == pytest.approx(density)
   assert float(jnp.mean(st.residual_norm)) > 0
   assert clipped > steps // 2
-  assert restarted > 0  # coordinates entered M with m = 0 ('fresh' acts)
+  if variant in ('faithful', 'fresh'):
+    assert restarted > 0  # coordinates entered M with m = 0 ('fresh' acts)
+    assert carried == 0  # Algorithm 1 zeroes m outside M
+  else:
+    assert carried > 0  # m outside M is carried, not zeroed
 
 
 @pytest.mark.parametrize('n', [1, 2, 4, 8])

@@ -43,6 +43,9 @@ class ScaleByScapeState(NamedTuple):
   mask: optax.Updates  # Per worker: own chunk bitmap, uint32 [W, words]; MaskedNode on dense leaves.
   residual_norm: jax.Array  # Per worker: ||e^n|| after the last step, f32[W].
   density: jax.Array  # f32: density in force at the last step.
+  # The variant's replicated extra state (`_scape_variants.init_state`): ()
+  # for Algorithm 1.
+  variant_state: optax.Updates = ()
 
   # Fields that differ per worker and carry the leading worker axis.
   PER_WORKER_FIELDS = ('residual', 'mask', 'residual_norm')
@@ -220,7 +223,8 @@ def scale_by_scape(
                  offset_bits=offset_bits, variant=variant)
 
   def init_fn(params):
-    return _init_state(params, compress, axis_name)
+    return _init_state(params, compress, axis_name)._replace(
+        variant_state=_scape_variants.init_state(variant, params))
 
   def update_fn(updates, state, params=None, *, density_level=None, **extra):
     del params, extra
@@ -311,11 +315,12 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
     bbar, errors = _wire.exchange_narrow(
         moment, plan.layouts, [g and g.offsets for g in global_masks],
         hyper.axis_name, hyper.payload_dtype)
-  bbar, gbar, residual = _reconstruct(moment, mu, bbar, plan, global_masks,
-                                      hyper.b1, errors)
+  bbar, gbar, residual, in_mask = _reconstruct(
+      moment, mu, bbar, plan, global_masks, hyper.b1, errors, hyper.variant)
   gbar = _clip(gbar, hyper.clip_norm)
   count = optax.safe_increment(state.count)
-  direction = _direction(mu, bbar, gbar, count, hyper)
+  direction, variant_state = _direction(mu, bbar, gbar, count, hyper,
+                                        in_mask, state.variant_state)
   own_mask = _next_own_masks(moment, plan, k_levels, level,
                              schedule.level(state.count + 1), hyper)
 
@@ -330,7 +335,8 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
       mask=plan.treedef.unflatten(
           [optax.MaskedNode() if o is None else vary(o) for o in own_mask]),
       residual_norm=vary(jnp.sqrt(residual_sq)[None]),
-      density=jnp.asarray(hyper.levels[level], jnp.float32))
+      density=jnp.asarray(hyper.levels[level], jnp.float32),
+      variant_state=variant_state)
   direction = [d.astype(g.dtype) for d, g in zip(direction, flat(grads))]
   return plan.treedef.unflatten(direction), new_state
 
@@ -390,16 +396,18 @@ def _exchange_payload(moment, plan, global_masks, axis_name):
 
 
 def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1,
-                 errors=None):
-  """bbar at full shape, the mean gradient at M (Eq. 3) and the new residual.
+                 errors=None, variant='faithful'):
+  """bbar at full shape, the mean gradient at M (Eq. 3), the new residual
+  and M (bool at full shape; None where the leaf is dense this step).
 
-  Outside M, bbar and gbar are zero and the residual keeps m~; dense leaves
-  have no residual (None) or, compressed but dense at this level, zeros.
-  Inside M the residual is zero, or the payload's rounding error `errors`
-  (per leaf, in `bbar_parts`' layout) of a half-width wire.
+  Outside M gbar is zero, and bbar and the residual are zero and m~ (or the
+  variant's `_scape_variants.outside_mask`); dense leaves have no residual
+  (None) or, compressed but dense at this level, zeros. Inside M the
+  residual is zero, or the payload's rounding error `errors` (per leaf, in
+  `bbar_parts`' layout) of a half-width wire.
   """
   errors = errors or [None] * len(moment)
-  bbar, gbar, residual = [], [], []
+  bbar, gbar, residual, in_masks = [], [], [], []
   for j, (mt, m, values) in enumerate(zip(moment, mu, bbar_parts)):
     shape, layout, mask = plan.shapes[j], plan.layouts[j], global_masks[j]
     err = errors[j]
@@ -409,16 +417,20 @@ def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1,
           masks.unpack_bits(mask.words, layout.chunk_size), shape)
       kept = 0.0 if err is None else _scatter(err, layout, mask.offsets,
                                               shape)
-      residual.append(jnp.where(in_mask, kept, mt)[None])
+      m_out, e_out = _scape_variants.outside_mask(variant, mt, m, b1)
+      residual.append(jnp.where(in_mask, kept, e_out)[None])
       gbar.append(jnp.where(in_mask, (b - b1 * m) / (1.0 - b1), 0.0))
+      b = jnp.where(in_mask, b, m_out)
     else:
+      in_mask = None
       b = values.reshape(shape)
       gbar.append((b - b1 * m) / (1.0 - b1))
       residual.append(None if layout is None else
                       jnp.zeros((1,) + shape, jnp.float32) if err is None
                       else err.reshape((1,) + shape))
     bbar.append(b)
-  return bbar, gbar, residual
+    in_masks.append(in_mask)
+  return bbar, gbar, residual, in_masks
 
 
 def _clip(gbar, clip_norm):
@@ -431,14 +443,20 @@ def _clip(gbar, clip_norm):
   return [g * factor for g in gbar]
 
 
-def _direction(mu_prev, bbar, gbar, count, hyper):
-  """The AdamS direction: v from the previous m and gbar, m = bbar."""
+def _direction(mu_prev, bbar, gbar, count, hyper, in_mask, variant_state):
+  """The AdamS direction (v from the previous m and gbar, m = bbar) and the
+  variant's new state (v for 'carry_v', else ())."""
   nu = [hyper.b2 * m * m + (1.0 - hyper.b2) * g * g
         for m, g in zip(mu_prev, gbar)]
+  nu_prev = jax.tree.leaves(variant_state)
   nu = _scape_variants.second_moment(hyper.variant, mu_prev, bbar, nu, count,
-                                     hyper.b1, hyper.b2)
-  return _common.bias_corrected_direction(bbar, nu, count, b1=hyper.b1,
-                                          b2=hyper.b2, eps=hyper.eps)
+                                     hyper.b1, hyper.b2, in_mask=in_mask,
+                                     nu_prev=nu_prev)
+  direction = _common.bias_corrected_direction(bbar, nu, count, b1=hyper.b1,
+                                               b2=hyper.b2, eps=hyper.eps)
+  new_state = (jax.tree.structure(variant_state).unflatten(nu) if nu_prev
+               else variant_state)
+  return direction, new_state
 
 
 def _next_own_masks(moment, plan, k_levels, level, next_level, hyper):
