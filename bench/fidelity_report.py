@@ -331,7 +331,8 @@ def targets_text(grid: dict) -> list:
     runs = grid.get((axis, value), {})
     for density, target in TARGETS.items():
       cells = []
-      for method in (f'SCAPE d={density}', f'{fidelity.VARIANT} d={density}'):
+      for method in [f'{v} d={density}' for v in ('SCAPE',) +
+                     fidelity.VARIANTS]:
         g = gaps(runs, method)
         if not g:
           cells.append(f'{method}: not run')
@@ -342,31 +343,46 @@ def targets_text(grid: dict) -> list:
   return lines
 
 
+VARIANT_NOTES = {  # what each variant changes (docs/design.md has more)
+    'fresh': 'sets a re-entering step to 1, where Algorithm 1\'s is '
+             '(1-b1)/sqrt(1-b2) (0.45 at b2 = 0.95, 3.2 at 0.999) times the '
+             'bias correction, divided by the clip\'s factor f <= 1 on gbar; '
+             'the diagnosis below has the measured sizes',
+    'carry': 'keeps m = b1 m_{t-1} outside M and applies AdamS\'s direction '
+             'to it there: a constant-size step b1/sqrt(b2) sign(m) times the '
+             'bias correction for as long as the coordinate waits',
+    'carry_v': 'is `carry` with v frozen outside M, so the step outside M '
+               'decays as b1**s after s steps there',
+}
+
+
+def _seed_gaps(runs: dict, method: str) -> dict:
+  return dict(zip(sorted(runs.get(method, {})), gaps(runs, method)))
+
+
 def variant_text(grid: dict) -> list:
-  """The variant's gap minus Algorithm 1's, per measured point and seed."""
-  rows = []
-  for axis, value, _, _ in fidelity.POINTS:
-    runs = grid.get((axis, value), {})
-    for density in TARGETS:
-      faithful = dict(zip(sorted(runs.get(f'SCAPE d={density}', {})),
-                          gaps(runs, f'SCAPE d={density}')))
-      variant = dict(zip(sorted(runs.get(f'{fidelity.VARIANT} d={density}',
-                                         {})),
-                         gaps(runs, f'{fidelity.VARIANT} d={density}')))
-      diff = [100 * (variant[k] - faithful[k]) for k in sorted(variant)
-              if k in faithful]
-      if diff:
-        label = f'{axis}={value}' if value else 'base'
-        rows.append(f'{label} d={density}: ' +
-                    ', '.join(f'{x:+.1f}' for x in diff))
-  if not rows:
+  """Each variant's gap minus Algorithm 1's, per measured point and seed."""
+  lines = []
+  for name in fidelity.VARIANTS:
+    rows = []
+    for axis, value, _, _ in fidelity.POINTS:
+      runs = grid.get((axis, value), {})
+      for density in TARGETS:
+        faithful = _seed_gaps(runs, f'SCAPE d={density}')
+        variant = _seed_gaps(runs, f'{name} d={density}')
+        diff = [100 * (variant[k] - faithful[k]) for k in sorted(variant)
+                if k in faithful]
+        if diff:
+          label = f'{axis}={value}' if value else 'base'
+          rows.append(f'{label} d={density}: ' +
+                      ', '.join(f'{x:+.1f}' for x in diff))
+    if rows:
+      lines += [f'- **`{name}` minus Algorithm 1**: ' + '; '.join(rows) +
+                f'. `{name}` {VARIANT_NOTES[name]}.']
+  if not lines:
     return []
-  return [f'**`{fidelity.VARIANT}` minus Algorithm 1** (points of the gap, '
-          'per seed; negative: the variant is closer to AdamS): ' +
-          '; '.join(rows) + '. The variant sets a re-entering step to 1, where '
-          'Algorithm 1\'s is (1-b1)/sqrt(1-b2) (0.45 at b2 = 0.95, 3.2 at '
-          '0.999) times the bias correction, divided by the clip\'s factor '
-          'f <= 1 on gbar; the diagnosis below has the measured sizes.']
+  return ['Each variant\'s gap minus Algorithm 1\'s (points of the gap, per '
+          'seed; negative: the variant is closer to AdamS):', ''] + lines
 
 
 def faithful_setting_text(grid: dict) -> list:
@@ -543,8 +559,10 @@ def write(out: str) -> None:
            '### The gap', '',
            'Final eval loss of each SCAPE setting relative to AdamS at the '
            'same hyperparameters and seed (mean, then each seed; **ok**: '
-           f'within {100 * WITHIN:.0f}% for every seed). `fresh` is the '
-           'variant of `docs/design.md`. n/a: not run yet.', '']
+           f'within {100 * WITHIN:.0f}% for every seed). ' +
+           ', '.join(f'`{v}`' for v in fidelity.VARIANTS) +
+           ' are the variants of `docs/design.md` (same collectives and '
+           'bytes as Algorithm 1). n/a: not run yet.', '']
   lines += gap_table(grid)
   lines += ['', '**Where each SCAPE setting holds** (every seed within '
             f'{100 * WITHIN:.0f}%; the mean density in force over the run '

@@ -210,12 +210,13 @@ def test_wire_bytes_from_compiled_step():
       density, 1536) < (2048 + 1536) // 32
 
 
-def test_fresh_variant_sends_the_same_collectives_and_differs_in_the_step():
+def test_variants_send_the_same_collectives_and_differ_in_the_step():
   from scape_jax import analysis
+  from scape_jax.optim import _scape_variants
   params = _params(0, {'w1': (256, 64), 'w2': (128, 96), 'b': (64,)})
   n, density = 8, 0.1
   cols, finals = {}, {}
-  for variant in ('faithful', 'fresh'):
+  for variant in _scape_variants.VARIANTS:
     run = Runner(scape_jax.scape(1e-2, density=density, variant=variant),
                  params, n)
     grads = jax.tree.map(
@@ -229,9 +230,12 @@ def test_fresh_variant_sends_the_same_collectives_and_differs_in_the_step():
     for g in _worker_grads(params, n, 4):
       run.step(g, level=1)
     finals[variant] = np.asarray(run.params['w1'])
-  assert cols['faithful'] == cols['fresh']
-  assert sorted(k for k, *_ in cols['fresh']) == ['all-gather', 'all-reduce']
-  assert not np.allclose(finals['faithful'], finals['fresh'])
+  assert sorted(k for k, *_ in cols['faithful']) == ['all-gather',
+                                                     'all-reduce']
+  for variant in _scape_variants.VARIANTS[1:]:
+    assert cols[variant] == cols['faithful'], variant
+    assert not np.allclose(finals['faithful'], finals[variant]), variant
+  assert not np.allclose(finals['carry'], finals['carry_v'])
 
 
 def test_density_warmup_compiles_one_program_per_level():

@@ -192,10 +192,12 @@ def scale_by_scape(
       too): offsets as int32 (32), as 16 bits plus sub-block ends (16), or
       whichever is smaller ('auto'). The default is the string '32' so that
       `optax.inject_hyperparams` leaves it static.
-    variant: one of `_scape_variants.VARIANTS`: 'faithful' (Algorithm 1) or
+    variant: one of `_scape_variants.VARIANTS`: 'faithful' (Algorithm 1),
       'fresh' (a coordinate entering M with m_{t-1} = 0 takes AdamS's first
       step, of size 1, instead of `(1 - b1) / sqrt(1 - b2)` times the bias
-      correction; docs/design.md). Same collectives, bytes and state.
+      correction), 'carry' (outside M, m = b1 m_{t-1} instead of 0 and the
+      residual keeps the rest of m~) or 'carry_v' ('carry' with a replicated
+      v, frozen outside M); docs/design.md. Same collectives and bytes.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`. `update` accepts the extra
