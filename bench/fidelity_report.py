@@ -353,6 +353,8 @@ VARIANT_NOTES = {  # what each variant changes (docs/design.md has more)
              'bias correction for as long as the coordinate waits',
     'carry_v': 'is `carry` with v frozen outside M, so the step outside M '
                'decays as b1**s after s steps there',
+    'carry_vi': 'is `carry_v` with the mask chosen as the top-k of the '
+                'innovation |m~ - b1 m_{t-1}| instead of |m~|',
 }
 
 

@@ -40,12 +40,14 @@ class ScapeReference:
   variant='carry' (docs/design.md, "Variants carry and carry_v"): outside
   the mask the first moment decays to b1 m_{t-1} instead of being zeroed,
   and each worker's residual keeps m~ - b1 m_{t-1}; 'carry_v' also keeps v,
-  which outside the mask stays at its last value.
+  which outside the mask stays at its last value; 'carry_vi' is 'carry_v'
+  whose masks are the top-k of |m~ - b1 m_{t-1}|.
   """
 
   def __init__(self, params, compressed, n, *, density, lr_fn, b1=0.9,
                b2=0.95, eps=1e-8, wd=0.1, clip=None, variant='faithful'):
-    assert variant in ('faithful', 'fresh', 'carry', 'carry_v'), variant
+    assert variant in ('faithful', 'fresh', 'carry', 'carry_v',
+                       'carry_vi'), variant
     self.variant = variant
     self.n, self.density, self.lr_fn = n, density, lr_fn
     self.b1, self.b2, self.eps, self.wd, self.clip = b1, b2, eps, wd, clip
@@ -85,12 +87,16 @@ class ScapeReference:
       size = p.size
       if self.compressed[j]:
         in_m = self.mask[j][:size].reshape(p.shape)
-        new_masks.append(self._refresh(j, mts))
+        scores = mts
+        if self.variant == 'carry_vi':  # the innovation m~ - b1 m_{t-1}
+          scores = [[x - b1 * self.m[i] for i, x in enumerate(mt)]
+                    for mt in mts]
+        new_masks.append(self._refresh(j, scores))
       else:
         in_m = np.ones(p.shape, bool)
         new_masks.append(None)
       b = self._exchange(j, in_m, mts)
-      if self.variant in ('carry', 'carry_v'):
+      if self.variant in ('carry', 'carry_v', 'carry_vi'):
         kept = (b1 * self.m[j]).astype(np.float32)
         b = np.where(in_m, b, kept)
         for n in range(self.n):
@@ -106,7 +112,7 @@ class ScapeReference:
     lr = np.float32(self.lr_fn(t - 1))
     for j in range(len(self.w)):
       v = b2 * self.m[j]**2 + (1 - b2) * gbar[j]**2
-      if self.variant == 'carry_v':  # v frozen outside the mask
+      if self.variant in ('carry_v', 'carry_vi'):  # v frozen outside the mask
         v = np.where(in_ms[j], v, self.v[j])
       self.v[j] = v
       restarted = self.m[j] == 0

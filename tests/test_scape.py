@@ -93,7 +93,8 @@ def test_density_one_equals_adams_on_mean_gradient():
                                              (0.01, 'faithful'),
                                              (0.1, 'fresh'),
                                              (0.1, 'carry'),
-                                             (0.01, 'carry_v')])
+                                             (0.01, 'carry_v'),
+                                             (0.1, 'carry_vi')])
 def test_matches_numpy_simulation_of_algorithm_1(density, variant):
   params = _params()
   n, steps, clip = 8, 20, 2.0
@@ -122,7 +123,7 @@ def test_matches_numpy_simulation_of_algorithm_1(density, variant):
     for j, k in enumerate(names):
       np.testing.assert_allclose(np.asarray(run.params[k]), ref.w[j],
                                  rtol=2e-5, atol=2e-6, err_msg=k)
-      if variant == 'carry_v':
+      if variant in ('carry_v', 'carry_vi'):
         np.testing.assert_allclose(np.asarray(st.variant_state[k]), ref.v[j],
                                    rtol=2e-5, atol=1e-9, err_msg=k)
       np.testing.assert_allclose(np.asarray(st.mu[k]), ref.m[j],

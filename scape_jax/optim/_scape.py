@@ -323,7 +323,8 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
   count = optax.safe_increment(state.count)
   direction, variant_state = _direction(mu, bbar, gbar, count, hyper,
                                         in_mask, state.variant_state)
-  own_mask = _next_own_masks(moment, plan, k_levels, level,
+  scores = _scape_variants.mask_scores(hyper.variant, moment, mu, hyper.b1)
+  own_mask = _next_own_masks(scores, plan, k_levels, level,
                              schedule.level(state.count + 1), hyper)
 
   vary = functools.partial(varying, axis_name=hyper.axis_name)

@@ -19,7 +19,9 @@ import jax.numpy as jnp
 #   and the AdamS direction is applied to it there (gbar = 0 outside M).
 # 'carry_v': 'carry' plus a replicated second moment v that stays frozen
 #   outside M, so the off-M step decays as b1**s after s steps outside M.
-VARIANTS = ('faithful', 'fresh', 'carry', 'carry_v')
+# 'carry_vi': 'carry_v' whose mask is the top-k of the innovation
+#   |m~ - b1 m_{t-1}| (what the other workers do not know) instead of |m~|.
+VARIANTS = ('faithful', 'fresh', 'carry', 'carry_v', 'carry_vi')
 
 
 def check_variant(variant: str, where: str) -> None:
@@ -29,12 +31,22 @@ def check_variant(variant: str, where: str) -> None:
 
 def carries(variant: str) -> bool:
   """Whether the first moment outside M is carried (decayed), not zeroed."""
-  return variant in ('carry', 'carry_v')
+  return variant in ('carry', 'carry_v', 'carry_vi')
+
+
+def mask_scores(variant: str, moment: Sequence[jax.Array],
+                mu_prev: Sequence[jax.Array], b1: float) -> list:
+  """What the next mask is the top-k of (in magnitude): m~, or for
+  'carry_vi' the innovation m~ - b1 m_{t-1}, the part of m~ that the
+  replicated, carried moment does not hold."""
+  if variant == 'carry_vi':
+    return [mt - b1 * m for mt, m in zip(moment, mu_prev)]
+  return list(moment)
 
 
 def init_state(variant: str, params):
   """The variant's own replicated state: v for 'carry_v', else ()."""
-  if variant == 'carry_v':
+  if variant in ('carry_v', 'carry_vi'):
     return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   return ()
 
@@ -70,7 +82,7 @@ def second_moment(variant: str, mu_prev: Sequence[jax.Array],
   """
   if variant in ('faithful', 'carry'):
     return list(nu)
-  if variant == 'carry_v':
+  if variant in ('carry_v', 'carry_vi'):
     return [v if m is None else jnp.where(m, v, old)
             for v, m, old in zip(nu, in_mask, nu_prev)]
   t = count.astype(jnp.float32)
