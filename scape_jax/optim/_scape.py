@@ -43,9 +43,7 @@ class ScaleByScapeState(NamedTuple):
   mask: optax.Updates  # Per worker: own chunk bitmap, uint32 [W, words]; MaskedNode on dense leaves.
   residual_norm: jax.Array  # Per worker: ||e^n|| after the last step, f32[W].
   density: jax.Array  # f32: density in force at the last step.
-  # The variant's replicated extra state (`_scape_variants.init_state`): ()
-  # for Algorithm 1.
-  variant_state: optax.Updates = ()
+  variant_state: optax.Updates = ()  # `_scape_variants.init_state`: replicated.
 
   # Fields that differ per worker and carry the leading worker axis.
   PER_WORKER_FIELDS = ('residual', 'mask', 'residual_norm')
@@ -192,12 +190,8 @@ def scale_by_scape(
       too): offsets as int32 (32), as 16 bits plus sub-block ends (16), or
       whichever is smaller ('auto'). The default is the string '32' so that
       `optax.inject_hyperparams` leaves it static.
-    variant: one of `_scape_variants.VARIANTS`: 'faithful' (Algorithm 1),
-      'fresh' (a coordinate entering M with m_{t-1} = 0 takes AdamS's first
-      step, of size 1, instead of `(1 - b1) / sqrt(1 - b2)` times the bias
-      correction), 'carry' (outside M, m = b1 m_{t-1} instead of 0 and the
-      residual keeps the rest of m~) or 'carry_v' ('carry' with a replicated
-      v, frozen outside M); docs/design.md. Same collectives and bytes.
+    variant: one of `_scape_variants.VARIANTS`; 'faithful' is Algorithm 1.
+      The others (`_scape_variants`, docs/design.md) send the same bytes.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`. `update` accepts the extra
