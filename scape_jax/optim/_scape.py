@@ -442,7 +442,7 @@ def _clip(gbar, clip_norm):
 
 def _direction(mu_prev, bbar, gbar, count, hyper, in_mask, variant_state):
   """The AdamS direction (v from the previous m and gbar, m = bbar) and the
-  variant's new state (v for 'carry_v', else ())."""
+  variant's new state (v for 'carry_v' and 'carry_vi', else ())."""
   nu = [hyper.b2 * m * m + (1.0 - hyper.b2) * g * g
         for m, g in zip(mu_prev, gbar)]
   nu_prev = jax.tree.leaves(variant_state)

@@ -45,7 +45,7 @@ def mask_scores(variant: str, moment: Sequence[jax.Array],
 
 
 def init_state(variant: str, params):
-  """The variant's own replicated state: v for 'carry_v', else ()."""
+  """The variant's replicated state: v for 'carry_v' and 'carry_vi', else ()."""
   if variant in ('carry_v', 'carry_vi'):
     return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   return ()
@@ -76,7 +76,7 @@ def second_moment(variant: str, mu_prev: Sequence[jax.Array],
   direction, as in Algorithm 1; at step 1 (every m is zero) this is AdamS's
   first step whether or not the clip scaled gbar.
 
-  'carry_v': outside M (`in_mask[j]` False; None: a leaf dense this step)
+  'carry_v', 'carry_vi': outside M (`in_mask[j]` False; None: dense leaf)
   v keeps its previous value `nu_prev[j]`; in M it is AdamS's.
   'carry' uses AdamS's v everywhere: b2 m_{t-1}^2 outside M.
   """
