@@ -397,11 +397,10 @@ def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1,
   """bbar at full shape, the mean gradient at M (Eq. 3), the new residual
   and M (bool at full shape; None where the leaf is dense this step).
 
-  Outside M gbar is zero, and bbar and the residual are zero and m~ (or the
-  variant's `_scape_variants.outside_mask`); dense leaves have no residual
-  (None) or, compressed but dense at this level, zeros. Inside M the
-  residual is zero, or the payload's rounding error `errors` (per leaf, in
-  `bbar_parts`' layout) of a half-width wire.
+  Outside M gbar is zero, bbar and the residual are zero and m~ (or
+  `_scape_variants.outside_mask`); dense leaves have no residual (None) or,
+  compressed but dense at this level, zeros. Inside M the residual is zero,
+  or the payload's rounding error `errors` of a half-width wire.
   """
   errors = errors or [None] * len(moment)
   bbar, gbar, residual, in_masks = [], [], [], []
@@ -441,19 +440,16 @@ def _clip(gbar, clip_norm):
 
 
 def _direction(mu_prev, bbar, gbar, count, hyper, in_mask, variant_state):
-  """The AdamS direction (v from the previous m and gbar, m = bbar) and the
-  variant's new state (v for 'carry_v' and 'carry_vi', else ())."""
+  """The AdamS direction (v from m_{t-1} and gbar, m = bbar), variant state."""
   nu = [hyper.b2 * m * m + (1.0 - hyper.b2) * g * g
         for m, g in zip(mu_prev, gbar)]
   nu_prev = jax.tree.leaves(variant_state)
   nu = _scape_variants.second_moment(hyper.variant, mu_prev, bbar, nu, count,
-                                     hyper.b1, hyper.b2, in_mask=in_mask,
-                                     nu_prev=nu_prev)
+                                     hyper.b1, hyper.b2, in_mask, nu_prev)
   direction = _common.bias_corrected_direction(bbar, nu, count, b1=hyper.b1,
                                                b2=hyper.b2, eps=hyper.eps)
-  new_state = (jax.tree.structure(variant_state).unflatten(nu) if nu_prev
-               else variant_state)
-  return direction, new_state
+  return direction, (jax.tree.structure(variant_state).unflatten(nu)
+                     if nu_prev else variant_state)
 
 
 def _next_own_masks(moment, plan, k_levels, level, next_level, hyper):

@@ -66,8 +66,8 @@ def outside_mask(variant: str, mt: jax.Array, m_prev: jax.Array,
 
 def second_moment(variant: str, mu_prev: Sequence[jax.Array],
                   bbar: Sequence[jax.Array], nu: Sequence[jax.Array],
-                  count: jax.Array, b1: float, b2: float, *,
-                  in_mask: Sequence = (), nu_prev=()) -> list:
+                  count: jax.Array, b1: float, b2: float,
+                  in_mask: Sequence = (), nu_prev: Sequence = ()) -> list:
   """Algorithm 1's v (`nu`: b2 m_{t-1}^2 + (1 - b2) gbar^2), or the variant's.
 
   'fresh': where m_{t-1} = 0, v = bbar**2 * c2 / c1**2 (c_i = 1 - b_i**t),
