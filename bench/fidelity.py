@@ -34,7 +34,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 CONFIG = 'configs/shakespeare_llama_tiny.py'
-VARIANT = 'fresh'  # the variant of scale_by_scape the study puts beside Alg. 1
+# The variants of scale_by_scape the study puts beside Algorithm 1.
+VARIANTS = ('fresh', 'carry', 'carry_v', 'carry_vi')
 SEEDS = (0, 1)
 
 
@@ -48,8 +49,7 @@ METHODS = {
     'AdamS': {'optimizer.name': 'adams'},
     'SCAPE d=0.1': _scape(0.1),
     'SCAPE d=0.01': _scape(0.01),
-    f'{VARIANT} d=0.1': _scape(0.1, VARIANT),
-    f'{VARIANT} d=0.01': _scape(0.01, VARIANT),
+    **{f'{v} d={d}': _scape(d, v) for v in VARIANTS for d in (0.1, 0.01)},
 }
 PROBE_SEED = 0
 

@@ -36,17 +36,25 @@ class ScapeReference:
   variant='fresh' (docs/design.md, "Variant fresh"): a coordinate whose
   previous first moment is zero takes AdamS's first step, as if its moment
   had started at this step.
+
+  variant='carry' (docs/design.md, "Variants carry and carry_v"): outside
+  the mask the first moment decays to b1 m_{t-1} instead of being zeroed,
+  and each worker's residual keeps m~ - b1 m_{t-1}; 'carry_v' also keeps v,
+  which outside the mask stays at its last value; 'carry_vi' is 'carry_v'
+  whose masks are the top-k of |m~ - b1 m_{t-1}|.
   """
 
   def __init__(self, params, compressed, n, *, density, lr_fn, b1=0.9,
                b2=0.95, eps=1e-8, wd=0.1, clip=None, variant='faithful'):
-    assert variant in ('faithful', 'fresh'), variant
+    assert variant in ('faithful', 'fresh', 'carry', 'carry_v',
+                       'carry_vi'), variant
     self.variant = variant
     self.n, self.density, self.lr_fn = n, density, lr_fn
     self.b1, self.b2, self.eps, self.wd, self.clip = b1, b2, eps, wd, clip
     self.w = [p.astype(np.float32).copy() for p in params]
     self.compressed = list(compressed)
     self.m = [np.zeros_like(p) for p in self.w]
+    self.v = [np.zeros_like(p) for p in self.w]
     self.e = [[np.zeros_like(p) for p in self.w] for _ in range(n)]
     # Global mask per leaf over the padded flat index space; M_0 = all ones.
     self.chunk = [-(-p.size // n) for p in self.w]
@@ -74,17 +82,28 @@ class ScapeReference:
     t, b1, b2 = self.t, self.b1, self.b2
     mts = [[b1 * self.m[j] + (1 - b1) * worker_grads[n][j] + self.e[n][j]
             for j in range(len(self.w))] for n in range(self.n)]
-    new_masks, gbar, bbar = [], [], []
+    new_masks, gbar, bbar, in_ms = [], [], [], []
     for j, p in enumerate(self.w):
       size = p.size
       if self.compressed[j]:
         in_m = self.mask[j][:size].reshape(p.shape)
-        new_masks.append(self._refresh(j, mts))
+        scores = mts
+        if self.variant == 'carry_vi':  # the innovation m~ - b1 m_{t-1}
+          scores = [[x - b1 * self.m[i] for i, x in enumerate(mt)]
+                    for mt in mts]
+        new_masks.append(self._refresh(j, scores))
       else:
         in_m = np.ones(p.shape, bool)
         new_masks.append(None)
       b = self._exchange(j, in_m, mts)
+      if self.variant in ('carry', 'carry_v', 'carry_vi'):
+        kept = (b1 * self.m[j]).astype(np.float32)
+        b = np.where(in_m, b, kept)
+        for n in range(self.n):
+          self.e[n][j] = np.where(in_m, self.e[n][j],
+                                  mts[n][j] - kept).astype(np.float32)
       bbar.append(b)
+      in_ms.append(in_m)
       gbar.append(np.where(in_m, (b - b1 * self.m[j]) / (1 - b1), 0))
     norm = math.sqrt(sum(float(np.sum(g.astype(np.float64)**2)) for g in gbar))
     if self.clip:
@@ -93,6 +112,9 @@ class ScapeReference:
     lr = np.float32(self.lr_fn(t - 1))
     for j in range(len(self.w)):
       v = b2 * self.m[j]**2 + (1 - b2) * gbar[j]**2
+      if self.variant in ('carry_v', 'carry_vi'):  # v frozen outside the mask
+        v = np.where(in_ms[j], v, self.v[j])
+      self.v[j] = v
       restarted = self.m[j] == 0
       self.m[j] = bbar[j]
       u = (self.m[j] / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + self.eps)

@@ -168,6 +168,14 @@ def test_validate_errors(override, match):
     config.load(None, [override])
 
 
+@pytest.mark.parametrize('variant', ['fresh', 'carry', 'carry_v'])
+def test_distributed_scape_rejects_variants(variant):
+  with pytest.raises(config.ConfigError,
+                     match=f"variant='{variant}'.*distributed=True"):
+    config.load(None, ['--config.optimizer.scape.distributed=True',
+                       f'--config.optimizer.scape.variant={variant}'])
+
+
 def test_validate_lists_every_problem():
   cfg = config.Config()
   cfg.steps = 0

@@ -91,7 +91,10 @@ def test_density_one_equals_adams_on_mean_gradient():
 
 @pytest.mark.parametrize('density,variant', [(0.1, 'faithful'),
                                              (0.01, 'faithful'),
-                                             (0.1, 'fresh')])
+                                             (0.1, 'fresh'),
+                                             (0.1, 'carry'),
+                                             (0.01, 'carry_v'),
+                                             (0.1, 'carry_vi')])
 def test_matches_numpy_simulation_of_algorithm_1(density, variant):
   params = _params()
   n, steps, clip = 8, 20, 2.0
@@ -105,17 +108,24 @@ def test_matches_numpy_simulation_of_algorithm_1(density, variant):
   ref = ScapeReference([params[k] for k in names], compressed, n,
                        density=density, lr_fn=lambda i: float(lr_fn(i)),
                        clip=clip, variant=variant)
-  clipped, restarted = 0, 0
+  clipped, restarted, carried = 0, 0, 0
   for g in grads:
     run.step(g)
-    restarted += sum(int(np.sum((m == 0) & c)) for m, c in zip(
-        ref.m, [ref.mask[j][:p.size].reshape(p.shape) if compressed[j] else
-                np.zeros(p.shape, bool) for j, p in enumerate(ref.w)]))
+    in_force = [ref.mask[j][:p.size].reshape(p.shape) if compressed[j] else
+                np.zeros(p.shape, bool) for j, p in enumerate(ref.w)]
+    restarted += sum(int(np.sum((m == 0) & c))
+                     for m, c in zip(ref.m, in_force))
     clipped += ref.step([[g[k][w] for k in names] for w in range(n)]) > clip
+    # Compressed coordinates outside this step's M that still have m != 0.
+    carried += sum(int(np.sum((m != 0) & ~c)) for m, c, z in
+                   zip(ref.m, in_force, compressed) if z)
     st = _scape_state(run.state)
     for j, k in enumerate(names):
       np.testing.assert_allclose(np.asarray(run.params[k]), ref.w[j],
                                  rtol=2e-5, atol=2e-6, err_msg=k)
+      if variant in ('carry_v', 'carry_vi'):
+        np.testing.assert_allclose(np.asarray(st.variant_state[k]), ref.v[j],
+                                   rtol=2e-5, atol=1e-9, err_msg=k)
       np.testing.assert_allclose(np.asarray(st.mu[k]), ref.m[j],
                                  rtol=2e-5, atol=2e-6, err_msg=k)
       if not compressed[j]:
@@ -130,7 +140,11 @@ def test_matches_numpy_simulation_of_algorithm_1(density, variant):
   assert float(st.density) == pytest.approx(density)
   assert float(jnp.mean(st.residual_norm)) > 0
   assert clipped > steps // 2
-  assert restarted > 0  # coordinates entered M with m = 0 ('fresh' acts)
+  if variant in ('faithful', 'fresh'):
+    assert restarted > 0  # coordinates entered M with m = 0 ('fresh' acts)
+    assert carried == 0  # Algorithm 1 zeroes m outside M
+  else:
+    assert carried > 0  # m outside M is carried, not zeroed
 
 
 @pytest.mark.parametrize('n', [1, 2, 4, 8])
@@ -197,12 +211,13 @@ def test_wire_bytes_from_compiled_step():
       density, 1536) < (2048 + 1536) // 32
 
 
-def test_fresh_variant_sends_the_same_collectives_and_differs_in_the_step():
+def test_variants_send_the_same_collectives_and_differ_in_the_step():
   from scape_jax import analysis
+  from scape_jax.optim import _scape_variants
   params = _params(0, {'w1': (256, 64), 'w2': (128, 96), 'b': (64,)})
   n, density = 8, 0.1
   cols, finals = {}, {}
-  for variant in ('faithful', 'fresh'):
+  for variant in _scape_variants.VARIANTS:
     run = Runner(scape_jax.scape(1e-2, density=density, variant=variant),
                  params, n)
     grads = jax.tree.map(
@@ -216,9 +231,12 @@ def test_fresh_variant_sends_the_same_collectives_and_differs_in_the_step():
     for g in _worker_grads(params, n, 4):
       run.step(g, level=1)
     finals[variant] = np.asarray(run.params['w1'])
-  assert cols['faithful'] == cols['fresh']
-  assert sorted(k for k, *_ in cols['fresh']) == ['all-gather', 'all-reduce']
-  assert not np.allclose(finals['faithful'], finals['fresh'])
+  assert sorted(k for k, *_ in cols['faithful']) == ['all-gather',
+                                                     'all-reduce']
+  for variant in _scape_variants.VARIANTS[1:]:
+    assert cols[variant] == cols['faithful'], variant
+    assert not np.allclose(finals['faithful'], finals[variant]), variant
+  assert not np.allclose(finals['carry'], finals['carry_v'])
 
 
 def test_density_warmup_compiles_one_program_per_level():

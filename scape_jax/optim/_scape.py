@@ -43,6 +43,7 @@ class ScaleByScapeState(NamedTuple):
   mask: optax.Updates  # Per worker: own chunk bitmap, uint32 [W, words]; MaskedNode on dense leaves.
   residual_norm: jax.Array  # Per worker: ||e^n|| after the last step, f32[W].
   density: jax.Array  # f32: density in force at the last step.
+  variant_state: optax.Updates = ()  # `_scape_variants.init_state`: replicated.
 
   # Fields that differ per worker and carry the leading worker axis.
   PER_WORKER_FIELDS = ('residual', 'mask', 'residual_norm')
@@ -189,10 +190,8 @@ def scale_by_scape(
       too): offsets as int32 (32), as 16 bits plus sub-block ends (16), or
       whichever is smaller ('auto'). The default is the string '32' so that
       `optax.inject_hyperparams` leaves it static.
-    variant: one of `_scape_variants.VARIANTS`: 'faithful' (Algorithm 1) or
-      'fresh' (a coordinate entering M with m_{t-1} = 0 takes AdamS's first
-      step, of size 1, instead of `(1 - b1) / sqrt(1 - b2)` times the bias
-      correction; docs/design.md). Same collectives, bytes and state.
+    variant: one of `_scape_variants.VARIANTS`; 'faithful' is Algorithm 1.
+      The others (`_scape_variants`, docs/design.md) send the same bytes.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`. `update` accepts the extra
@@ -220,7 +219,8 @@ def scale_by_scape(
                  offset_bits=offset_bits, variant=variant)
 
   def init_fn(params):
-    return _init_state(params, compress, axis_name)
+    return _init_state(params, compress, axis_name)._replace(
+        variant_state=_scape_variants.init_state(variant, params))
 
   def update_fn(updates, state, params=None, *, density_level=None, **extra):
     del params, extra
@@ -311,12 +311,14 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
     bbar, errors = _wire.exchange_narrow(
         moment, plan.layouts, [g and g.offsets for g in global_masks],
         hyper.axis_name, hyper.payload_dtype)
-  bbar, gbar, residual = _reconstruct(moment, mu, bbar, plan, global_masks,
-                                      hyper.b1, errors)
+  bbar, gbar, residual, in_mask = _reconstruct(
+      moment, mu, bbar, plan, global_masks, hyper.b1, errors, hyper.variant)
   gbar = _clip(gbar, hyper.clip_norm)
   count = optax.safe_increment(state.count)
-  direction = _direction(mu, bbar, gbar, count, hyper)
-  own_mask = _next_own_masks(moment, plan, k_levels, level,
+  direction, variant_state = _direction(mu, bbar, gbar, count, hyper,
+                                        in_mask, state.variant_state)
+  scores = _scape_variants.mask_scores(hyper.variant, moment, mu, hyper.b1)
+  own_mask = _next_own_masks(scores, plan, k_levels, level,
                              schedule.level(state.count + 1), hyper)
 
   vary = functools.partial(varying, axis_name=hyper.axis_name)
@@ -330,7 +332,8 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
       mask=plan.treedef.unflatten(
           [optax.MaskedNode() if o is None else vary(o) for o in own_mask]),
       residual_norm=vary(jnp.sqrt(residual_sq)[None]),
-      density=jnp.asarray(hyper.levels[level], jnp.float32))
+      density=jnp.asarray(hyper.levels[level], jnp.float32),
+      variant_state=variant_state)
   direction = [d.astype(g.dtype) for d, g in zip(direction, flat(grads))]
   return plan.treedef.unflatten(direction), new_state
 
@@ -390,16 +393,17 @@ def _exchange_payload(moment, plan, global_masks, axis_name):
 
 
 def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1,
-                 errors=None):
-  """bbar at full shape, the mean gradient at M (Eq. 3) and the new residual.
+                 errors=None, variant='faithful'):
+  """bbar at full shape, the mean gradient at M (Eq. 3), the new residual
+  and M (bool at full shape; None where the leaf is dense this step).
 
-  Outside M, bbar and gbar are zero and the residual keeps m~; dense leaves
-  have no residual (None) or, compressed but dense at this level, zeros.
-  Inside M the residual is zero, or the payload's rounding error `errors`
-  (per leaf, in `bbar_parts`' layout) of a half-width wire.
+  Outside M gbar is zero, bbar and the residual are zero and m~ (or
+  `_scape_variants.outside_mask`); dense leaves have no residual (None) or,
+  compressed but dense at this level, zeros. Inside M the residual is zero,
+  or the payload's rounding error `errors` of a half-width wire.
   """
   errors = errors or [None] * len(moment)
-  bbar, gbar, residual = [], [], []
+  bbar, gbar, residual, in_masks = [], [], [], []
   for j, (mt, m, values) in enumerate(zip(moment, mu, bbar_parts)):
     shape, layout, mask = plan.shapes[j], plan.layouts[j], global_masks[j]
     err = errors[j]
@@ -409,16 +413,20 @@ def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1,
           masks.unpack_bits(mask.words, layout.chunk_size), shape)
       kept = 0.0 if err is None else _scatter(err, layout, mask.offsets,
                                               shape)
-      residual.append(jnp.where(in_mask, kept, mt)[None])
+      m_out, e_out = _scape_variants.outside_mask(variant, mt, m, b1)
+      residual.append(jnp.where(in_mask, kept, e_out)[None])
       gbar.append(jnp.where(in_mask, (b - b1 * m) / (1.0 - b1), 0.0))
+      b = jnp.where(in_mask, b, m_out)
     else:
+      in_mask = None
       b = values.reshape(shape)
       gbar.append((b - b1 * m) / (1.0 - b1))
       residual.append(None if layout is None else
                       jnp.zeros((1,) + shape, jnp.float32) if err is None
                       else err.reshape((1,) + shape))
     bbar.append(b)
-  return bbar, gbar, residual
+    in_masks.append(in_mask)
+  return bbar, gbar, residual, in_masks
 
 
 def _clip(gbar, clip_norm):
@@ -431,14 +439,17 @@ def _clip(gbar, clip_norm):
   return [g * factor for g in gbar]
 
 
-def _direction(mu_prev, bbar, gbar, count, hyper):
-  """The AdamS direction: v from the previous m and gbar, m = bbar."""
+def _direction(mu_prev, bbar, gbar, count, hyper, in_mask, variant_state):
+  """The AdamS direction (v from m_{t-1} and gbar, m = bbar), variant state."""
   nu = [hyper.b2 * m * m + (1.0 - hyper.b2) * g * g
         for m, g in zip(mu_prev, gbar)]
+  nu_prev = jax.tree.leaves(variant_state)
   nu = _scape_variants.second_moment(hyper.variant, mu_prev, bbar, nu, count,
-                                     hyper.b1, hyper.b2)
-  return _common.bias_corrected_direction(bbar, nu, count, b1=hyper.b1,
-                                          b2=hyper.b2, eps=hyper.eps)
+                                     hyper.b1, hyper.b2, in_mask, nu_prev)
+  direction = _common.bias_corrected_direction(bbar, nu, count, b1=hyper.b1,
+                                               b2=hyper.b2, eps=hyper.eps)
+  return direction, (jax.tree.structure(variant_state).unflatten(nu)
+                     if nu_prev else variant_state)
 
 
 def _next_own_masks(moment, plan, k_levels, level, next_level, hyper):

@@ -1,8 +1,9 @@
 """Update rules `scale_by_scape` offers beside Algorithm 1 (same wire).
 
-Every variant sends the same payload through the same collectives and keeps
-the same state; it changes only how the AdamS direction is computed from
-what was exchanged. docs/design.md says where each departs from the paper.
+Every variant sends the same payload through the same collectives; it
+changes only what is computed from what was exchanged, and may keep extra
+*replicated* state (never on the wire). docs/design.md says where each
+departs from the paper.
 """
 
 from typing import Sequence
@@ -10,10 +11,17 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-# 'faithful': Algorithm 1 of the paper. 'fresh': a coordinate whose first
-# moment restarts from zero (it enters M with m_{t-1} = 0) takes AdamS's
-# first step, as if its moment started at this step.
-VARIANTS = ('faithful', 'fresh')
+# 'faithful': Algorithm 1 of the paper.
+# 'fresh': a coordinate whose first moment restarts from zero (it enters M
+#   with m_{t-1} = 0) takes AdamS's first step, as if its moment started now.
+# 'carry': outside M the first moment is kept as the replicated, decayed
+#   copy b1 * m_{t-1} (not zeroed), the residual holds only what is not in it,
+#   and the AdamS direction is applied to it there (gbar = 0 outside M).
+# 'carry_v': 'carry' plus a replicated second moment v that stays frozen
+#   outside M, so the off-M step decays as b1**s after s steps outside M.
+# 'carry_vi': 'carry_v' whose mask is the top-k of the innovation
+#   |m~ - b1 m_{t-1}| (what the other workers do not know) instead of |m~|.
+VARIANTS = ('faithful', 'fresh', 'carry', 'carry_v', 'carry_vi')
 
 
 def check_variant(variant: str, where: str) -> None:
@@ -21,19 +29,62 @@ def check_variant(variant: str, where: str) -> None:
     raise ValueError(f'{where}: variant={variant!r}; allowed: {VARIANTS}.')
 
 
+def carries(variant: str) -> bool:
+  """Whether the first moment outside M is carried (decayed), not zeroed."""
+  return variant in ('carry', 'carry_v', 'carry_vi')
+
+
+def mask_scores(variant: str, moment: Sequence[jax.Array],
+                mu_prev: Sequence[jax.Array], b1: float) -> list:
+  """What the next mask is the top-k of (in magnitude): m~, or for
+  'carry_vi' the innovation m~ - b1 m_{t-1}, the part of m~ that the
+  replicated, carried moment does not hold."""
+  if variant == 'carry_vi':
+    return [mt - b1 * m for mt, m in zip(moment, mu_prev)]
+  return list(moment)
+
+
+def init_state(variant: str, params):
+  """The variant's replicated state: v for 'carry_v' and 'carry_vi', else ()."""
+  if variant in ('carry_v', 'carry_vi'):
+    return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  return ()
+
+
+def outside_mask(variant: str, mt: jax.Array, m_prev: jax.Array,
+                 b1: float) -> tuple:
+  """(m_t, e_t) outside M from m~ = b1 m_{t-1} + (1 - b1) g + e.
+
+  Algorithm 1: (0, m~). Carrying variants: (b1 m_{t-1}, m~ - b1 m_{t-1}),
+  so m_t + e_t = m~ as in Algorithm 1 and nothing is counted twice.
+  """
+  if carries(variant):
+    kept = b1 * m_prev
+    return kept, mt - kept
+  return 0.0, mt  # a scalar 0 stays replicated under shard_map
+
+
 def second_moment(variant: str, mu_prev: Sequence[jax.Array],
                   bbar: Sequence[jax.Array], nu: Sequence[jax.Array],
-                  count: jax.Array, b1: float, b2: float) -> list:
-  """Algorithm 1's v (`nu`), or the variant's.
+                  count: jax.Array, b1: float, b2: float,
+                  in_mask: Sequence = (), nu_prev: Sequence = ()) -> list:
+  """Algorithm 1's v (`nu`: b2 m_{t-1}^2 + (1 - b2) gbar^2), or the variant's.
 
   'fresh': where m_{t-1} = 0, v = bbar**2 * c2 / c1**2 (c_i = 1 - b_i**t),
   so the bias-corrected direction is (bbar / c1) / (|bbar| / c1) =
   sign(bbar), AdamS's first step. Outside M bbar is 0 and so is the
   direction, as in Algorithm 1; at step 1 (every m is zero) this is AdamS's
   first step whether or not the clip scaled gbar.
+
+  'carry_v', 'carry_vi': outside M (`in_mask[j]` False; None: dense leaf)
+  v keeps its previous value `nu_prev[j]`; in M it is AdamS's.
+  'carry' uses AdamS's v everywhere: b2 m_{t-1}^2 outside M.
   """
-  if variant == 'faithful':
+  if variant in ('faithful', 'carry'):
     return list(nu)
+  if variant in ('carry_v', 'carry_vi'):
+    return [v if m is None else jnp.where(m, v, old)
+            for v, m, old in zip(nu, in_mask, nu_prev)]
   t = count.astype(jnp.float32)
   ratio = (1.0 - b2**t) / (1.0 - b1**t)**2
   return [jnp.where(m == 0, b * b * ratio, v)

@@ -194,7 +194,8 @@ class ScapeConfig:
   # Payload values on the wire: 'float32', 'bfloat16' or 'float16'.
   payload_dtype: str = 'float32'
   offset_bits: str = '32'  # Offsets on the wire: '32', '16' or 'auto'.
-  variant: str = 'faithful'  # 'faithful' (Alg. 1) or 'fresh' (docs/design.md).
+  # 'faithful' (Alg. 1), 'fresh', 'carry' or 'carry_v' (docs/design.md).
+  variant: str = 'faithful'
 
 
 def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
