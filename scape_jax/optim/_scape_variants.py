@@ -55,13 +55,14 @@ def outside_mask(variant: str, mt: jax.Array, m_prev: jax.Array,
                  b1: float) -> tuple:
   """(m_t, e_t) outside M from m~ = b1 m_{t-1} + (1 - b1) g + e.
 
-  Algorithm 1: (0, m~). Carrying variants: (b1 m_{t-1}, m~ - b1 m_{t-1}),
-  so m_t + e_t = m~ as in Algorithm 1 and nothing is counted twice.
+  Algorithm 1: (None, m~), None for m_t = 0 (bbar as scattered). Carrying
+  variants: (b1 m_{t-1}, m~ - b1 m_{t-1}), so m_t + e_t = m~ as in
+  Algorithm 1 and nothing is counted twice.
   """
   if carries(variant):
     kept = b1 * m_prev
     return kept, mt - kept
-  return 0.0, mt  # a scalar 0 stays replicated under shard_map
+  return None, mt
 
 
 def second_moment(variant: str, mu_prev: Sequence[jax.Array],
