@@ -416,8 +416,7 @@ def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1,
       m_out, e_out = _scape_variants.outside_mask(variant, mt, m, b1)
       residual.append(jnp.where(in_mask, kept, e_out)[None])
       gbar.append(jnp.where(in_mask, (b - b1 * m) / (1.0 - b1), 0.0))
-      if m_out is not None:  # else bbar stays zero outside M
-        b = jnp.where(in_mask, b, m_out)
+      b = b if m_out is None else jnp.where(in_mask, b, m_out)
     else:
       in_mask = None
       b = values.reshape(shape)
