@@ -82,10 +82,11 @@ def phases(params, grads, state, density: float) -> dict:
                  + 1e-8) for j, x, y in zip(sparse, b, gb)]
 
   direction = jax.jit(gbar_direction)
-  select = jax.jit(lambda mt: _scape._next_own_masks(
-      mt, plan, ks, level, level, _scape._Hyper(
-          b1=B1, b2=overhead.B2, eps=1e-8, clip_norm=1.0, axis_name=None,
-          encoding='auto', levels=schedule.levels, select='auto')))
+  _, hyper = _scape._configure(density, 0, b1=B1, b2=overhead.B2, eps=1e-8,
+                               clip_norm=1.0, axis_name=None,
+                               mask_encoding='auto', select='auto')
+  select = jax.jit(lambda mt: _scape._next_own_masks(mt, plan, ks, level,
+                                                     level, hyper))
   return {
       'm~ = b1 m + (1 - b1) g + e': lambda: moment(g, mu, e),
       'mask words -> offsets': lambda: decode(words),

@@ -46,8 +46,7 @@ def scale_by_adams(
     Zhang et al., "AdamS: Momentum itself can be a normalizer for LLM
     pretraining and post-training", 2025; SCAPE paper, Eq. 2.
   """
-  _common.check_betas('scale_by_adams', b1, b2)
-  _common.check_eps('scale_by_adams', eps)
+  _common.check_moments('scale_by_adams', b1, b2, eps)
 
   def init_fn(params):
     mu = jax.tree.map(lambda p: jnp.zeros(p.shape, mu_dtype or p.dtype), params)

@@ -50,6 +50,16 @@ def check_betas(where: str, b1: float, b2: float) -> None:
     check_decay(where, name, value)
 
 
+def check_moments(where: str, b1: float, b2: float, eps: float,
+                  clip_norm: Optional[float] = None) -> None:
+  """Raises ValueError unless b1, b2 are in [0, 1), eps > 0 and clip_norm
+  (None: no clip) >= 0."""
+  check_betas(where, b1, b2)
+  check_eps(where, eps)
+  if clip_norm is not None:
+    check_non_negative(where, 'clip_norm', clip_norm)
+
+
 def check_decay(where: str, name: str, value: float) -> None:
   """Raises ValueError unless a decay rate is in [0, 1)."""
   _check(where, name, value, lambda x: 0.0 <= x < 1.0, 'in [0, 1)')

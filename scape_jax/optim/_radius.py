@@ -195,14 +195,11 @@ def scale_by_radius(
     Zheng et al., "Radius: Range-based Gradient Sparsity for Large Foundation
     Model Pre-training", Algorithms 1-2; `docs/design.md`, "Radius".
   """
-  _common.check_betas('scale_by_radius', b1, b2)
-  _common.check_eps('scale_by_radius', eps)
+  _common.check_moments('scale_by_radius', b1, b2, eps, clip_norm)
   _common.check_non_negative('scale_by_radius', 'weight_decay', weight_decay)
-  if clip_norm is not None:
-    _common.check_non_negative('scale_by_radius', 'clip_norm', clip_norm)
   top_k_count(density, 1)  # validates density
-  schedule = RadiusSchedule(interval, threshold)
   _common.check_int('scale_by_radius', 'index_radius', index_radius, 0)
+  schedule = RadiusSchedule(interval, threshold)
   adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
   hyper = _Hyper(axis_name=axis_name, clip_norm=clip_norm,
                  weight_decay=weight_decay, index_radius=index_radius)
@@ -223,16 +220,21 @@ def scale_by_radius(
                                weight_decay_mask, lambda p: True)
     step = functools.partial(_update, updates, state, params, plan=plan,
                              hyper=hyper, adam=adam, decay=decay)
-    if step_kind is not None:
-      if step_kind not in STEP_KINDS:
-        raise ValueError(f'radius: step_kind={step_kind!r}; allowed: '
-                         f'{STEP_KINDS}.')
-      return step(step_kind)
-    return jax.lax.switch(schedule.kind_index(state.count),
-                          [functools.partial(step, kind)
-                           for kind in STEP_KINDS])
+    return _at_step_kind(step, step_kind, schedule.kind_index(state.count))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _at_step_kind(step, step_kind: Optional[str], kind_index):
+  """`step(step_kind)`, or without a static kind every kind in a
+  `lax.switch` on `kind_index` (the schedule's, traced)."""
+  if step_kind is None:
+    return jax.lax.switch(kind_index, [functools.partial(step, kind)
+                                       for kind in STEP_KINDS])
+  if step_kind not in STEP_KINDS:
+    raise ValueError(f'radius: step_kind={step_kind!r}; allowed: '
+                     f'{STEP_KINDS}.')
+  return step(step_kind)
 
 
 def _init_state(params, compress: MaskOrFn, density: float,

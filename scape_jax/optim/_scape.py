@@ -169,8 +169,7 @@ def scale_by_scape(
     b1: decay rate of the first moment.
     b2: weight of the previous first moment squared in the preconditioner.
     eps: term added to the denominator for numerical stability.
-    clip_norm: global-norm clip of the reconstructed mean gradient (line 18
-      of Algorithm 1); `None` or 0 disables it.
+    clip_norm: global-norm clip of gbar (Algorithm 1, line 18); None or 0: off.
     axis_name: the data-parallel mesh axis; `None` means a single worker.
     compress: tree of bools or a callable `params -> tree`, in optax's `mask`
       style, selecting the leaves to sparsify. Default: leaves with ndim >= 2;
@@ -194,33 +193,23 @@ def scale_by_scape(
       The others (`_scape_variants`, docs/design.md) send the same bytes.
 
   Returns:
-    An `optax.GradientTransformationExtraArgs`. `update` accepts the extra
-    keyword `density_level`, a static int, the `DensitySchedule.level` of the
-    state's count; given, the step holds that level's collectives only.
-    Without it every level is compiled into one `lax.switch`.
+    An `optax.GradientTransformationExtraArgs`. `update` takes the static
+    keyword `density_level` (the `DensitySchedule.level` of the state's
+    count): the step holds that level's collectives only; without it every
+    level is compiled into one `lax.switch`.
 
   References:
     SCAPE paper, Algorithm 1 and Sections IV-A..IV-C, IV-E;
     `docs/design.md` sections 2-4.
   """
-  _common.check_betas('scale_by_scape', b1, b2)
-  _common.check_eps('scale_by_scape', eps)
-  if clip_norm is not None:
-    _common.check_non_negative('scale_by_scape', 'clip_norm', clip_norm)
-  schedule = _density_schedule(density, density_warmup_steps)
-  levels = schedule.levels
-  offset_bits = masks.check_wire_request(mask_encoding, offset_bits)
-  payload.check_payload_dtype(payload_dtype)
-  topk.check_select(select, 'scape')
-  _scape_variants.check_variant(variant, 'scape')
-  hyper = _Hyper(b1=b1, b2=b2, eps=eps, clip_norm=clip_norm,
-                 axis_name=axis_name, encoding=mask_encoding, levels=levels,
-                 select=select, payload_dtype=payload_dtype,
-                 offset_bits=offset_bits, variant=variant)
+  schedule, hyper = _configure(
+      density, density_warmup_steps, b1=b1, b2=b2, eps=eps,
+      clip_norm=clip_norm, axis_name=axis_name, mask_encoding=mask_encoding,
+      select=select, payload_dtype=payload_dtype, offset_bits=offset_bits,
+      variant=variant)
 
   def init_fn(params):
-    return _init_state(params, compress, axis_name)._replace(
-        variant_state=_scape_variants.init_state(variant, params))
+    return _init_state(params, compress, axis_name, variant)
 
   def update_fn(updates, state, params=None, *, density_level=None, **extra):
     del params, extra
@@ -232,24 +221,36 @@ def scale_by_scape(
                              _memory.to_device(state), plan=plan,
                              hyper=hyper, schedule=schedule)
     direction, new_state = _common.at_density_level(
-        step, density_level, levels, schedule.level(state.count))
+        step, density_level, schedule.levels, schedule.level(state.count))
     return direction, _memory.like(new_state, state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _density_schedule(density, density_warmup_steps: int) -> DensitySchedule:
-  """`density` as a `DensitySchedule` (a float gets `density_warmup_steps`)."""
+def _configure(density, density_warmup_steps: int, *, b1, b2, eps, clip_norm,
+               axis_name, mask_encoding, select, payload_dtype='float32',
+               offset_bits='32', variant='faithful') -> tuple:
+  """Checks `scale_by_scape`'s arguments; (its DensitySchedule, its _Hyper)."""
+  _common.check_moments('scale_by_scape', b1, b2, eps, clip_norm)
+  payload.check_payload_dtype(payload_dtype)
+  topk.check_select(select, 'scape')
+  _scape_variants.check_variant(variant, 'scape')
+  schedule = density
   if not isinstance(density, DensitySchedule):
-    return DensitySchedule(density, density_warmup_steps)
-  if density_warmup_steps:
-    raise ValueError(
-        f'scape: density is a DensitySchedule; give its warmup there, not '
-        f'density_warmup_steps={density_warmup_steps!r}.')
-  return density
+    schedule = DensitySchedule(density, density_warmup_steps)
+  elif density_warmup_steps:
+    raise ValueError('scape: density is a DensitySchedule; give its warmup '
+                     'there, not density_warmup_steps='
+                     f'{density_warmup_steps!r}.')
+  return schedule, _Hyper(
+      b1=b1, b2=b2, eps=eps, clip_norm=clip_norm, axis_name=axis_name,
+      encoding=mask_encoding, levels=schedule.levels, select=select,
+      payload_dtype=payload_dtype, variant=variant,
+      offset_bits=masks.check_wire_request(mask_encoding, offset_bits))
 
 
-def _init_state(params, compress: MaskOrFn, axis_name) -> ScaleByScapeState:
+def _init_state(params, compress: MaskOrFn, axis_name,
+                variant: str) -> ScaleByScapeState:
   """Algorithm 1's initial state: m = 0, e = 0, M_0 = all ones."""
   n, local = _common.axis_context('scape init', axis_name)
   plan = CompressionPlan.create(params, compress, n)
@@ -270,7 +271,8 @@ def _init_state(params, compress: MaskOrFn, axis_name) -> ScaleByScapeState:
       residual=plan.treedef.unflatten(residual),
       mask=plan.treedef.unflatten(own_mask),
       residual_norm=per_worker(jnp.zeros([], jnp.float32)),
-      density=jnp.ones([], jnp.float32))
+      density=jnp.ones([], jnp.float32),
+      variant_state=_scape_variants.init_state(variant, params))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,8 +377,7 @@ def _exchange_masks(own_masks, plan, k_now, hyper) -> list:
   gathered = (buf[None] if hyper.axis_name is None else
               all_gather_invariant(buf, hyper.axis_name))
   for j, part in zip(sparse, _split(gathered, [x.shape[0] for x in wire])):
-    global_masks[j] = _mask_from_wire(part, plan.layouts[j], k_now[j],
-                                      enc[j])
+    global_masks[j] = _mask_from_wire(part, plan.layouts[j], k_now[j], enc[j])
   return global_masks
 
 
@@ -411,8 +412,7 @@ def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1,
       b = _scatter(values, layout, mask.offsets, shape)
       in_mask = layout.from_chunks(
           masks.unpack_bits(mask.words, layout.chunk_size), shape)
-      kept = 0.0 if err is None else _scatter(err, layout, mask.offsets,
-                                              shape)
+      kept = 0.0 if err is None else _scatter(err, layout, mask.offsets, shape)
       m_out, e_out = _scape_variants.outside_mask(variant, mt, m, b1)
       residual.append(jnp.where(in_mask, kept, e_out)[None])
       gbar.append(jnp.where(in_mask, (b - b1 * m) / (1.0 - b1), 0.0))

@@ -88,16 +88,10 @@ def scale_by_scape_dist(
     SCAPE paper, Algorithm 2 and Section IV-D; `docs/design.md`.
   """
   # Validation and the density schedule are Algorithm 1's.
-  _scape.scale_by_scape(density, b1=b1, b2=b2, eps=eps, clip_norm=clip_norm,
-                        axis_name=axis_name, compress=compress,
-                        density_warmup_steps=density_warmup_steps,
-                        mask_encoding=mask_encoding, select=select)
-  schedule = (density if isinstance(density, DensitySchedule) else
-              DensitySchedule(density, density_warmup_steps))
-  levels = schedule.levels
-  hyper = _scape._Hyper(b1=b1, b2=b2, eps=eps, clip_norm=clip_norm,  # pylint: disable=protected-access
-                        axis_name=axis_name, encoding=mask_encoding,
-                        levels=levels, select=select)
+  schedule, hyper = _scape._configure(  # pylint: disable=protected-access
+      density, density_warmup_steps, b1=b1, b2=b2, eps=eps,
+      clip_norm=clip_norm, axis_name=axis_name, mask_encoding=mask_encoding,
+      select=select)
 
   def init_fn(params):
     n, local = _common.axis_context('scape_dist init', axis_name)
@@ -135,7 +129,7 @@ def scale_by_scape_dist(
                              _memory.to_device(state), plan=plan,
                              hyper=hyper, schedule=schedule)
     direction, new_state = _common.at_density_level(
-        step, density_level, levels, schedule.level(state.count))
+        step, density_level, schedule.levels, schedule.level(state.count))
     return direction, _memory.like(new_state, state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
