@@ -50,17 +50,17 @@ def phases(params, grads, state, density: float) -> dict:
   sparse = [j for j, k in enumerate(ks) if k is not None and
             plan.is_sparse(j, k[level])]
 
-  moment = jax.jit(lambda g, mu, e: _scape._semi_updated_moment(
-      g, mu, e, plan, B1))
-  mt = moment(g, mu, e)
+  moment = jax.jit(lambda g, mu, e, count: _scape._semi_updated_moment(
+      g, mu, e, plan, B1, count))
+  mt = moment(g, mu, e, state.count)
   decode = jax.jit(lambda w: [masks.words_to_offsets(w[j], ks[j][level])
                               for j in sparse])
   offsets = decode(words)
   compact = jax.jit(lambda mt, o: [
-      _scape._compact(mt[j], plan.layouts[j], x) for j, x in zip(sparse, o)])
+      masks.gather_at(mt[j], plan.layouts[j], x) for j, x in zip(sparse, o)])
   values = compact(mt, offsets)
   scatter = jax.jit(lambda v, o: [
-      _scape._scatter(x, plan.layouts[j], y, plan.shapes[j])
+      masks.scatter_at(x, plan.layouts[j], y, plan.shapes[j])
       for j, x, y in zip(sparse, v, o)])
   bbar = scatter(values, offsets)
 
@@ -88,7 +88,7 @@ def phases(params, grads, state, density: float) -> dict:
   select = jax.jit(lambda mt: _scape._next_own_masks(mt, plan, ks, level,
                                                      level, hyper))
   return {
-      'm~ = b1 m + (1 - b1) g + e': lambda: moment(g, mu, e),
+      'm~ = b1 m + (1 - b1) g + e': lambda: moment(g, mu, e, state.count),
       'mask words -> offsets': lambda: decode(words),
       'payload gather (m~ at M)': lambda: compact(mt, offsets),
       'scatter (bbar, zeros outside M)': lambda: scatter(values, offsets),

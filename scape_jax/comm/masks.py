@@ -277,3 +277,28 @@ def offsets_from_wire16(words: jax.Array, k: int, chunk: int) -> jax.Array:
   marks = jnp.zeros((words.shape[0], k + 1), jnp.int32).at[rows, ends].add(1)
   high = jnp.cumsum(marks, axis=1)[:, :k]
   return high * SUB_BLOCK + low
+
+
+def _flat_index(layout: LeafLayout, offsets: jax.Array) -> jax.Array:
+  """Chunk offsets int32[N, k] -> flat offsets into the leaf, int32[N * k].
+
+  Offsets into the padding past the leaf come out >= layout.size.
+  """
+  starts = jnp.arange(layout.num_chunks, dtype=jnp.int32)[:, None]
+  return (starts * layout.chunk_size + offsets).reshape(-1)
+
+
+def gather_at(x: jax.Array, layout: LeafLayout,
+              offsets: jax.Array) -> jax.Array:
+  """The N*k values of leaf x at chunk offsets int32[N, k], chunk by chunk
+  (0 at padding)."""
+  return x.reshape(-1).at[_flat_index(layout, offsets)].get(
+      mode='fill', fill_value=0.0)
+
+
+def scatter_at(values: jax.Array, layout: LeafLayout, offsets: jax.Array,
+               shape) -> jax.Array:
+  """`gather_at`'s inverse: N*k values -> a full-shape leaf, 0 elsewhere."""
+  full = jnp.zeros((layout.size,), values.dtype)
+  return full.at[_flat_index(layout, offsets)].set(
+      values, mode='drop').reshape(shape)

@@ -219,7 +219,13 @@ def _jnp_count(x, num_valid, lo, hi):
   # faster than int32 ones.
   both = ((keys >= lo).astype(jnp.uint16)
           | ((keys >= hi).astype(jnp.uint16) << 8))
-  per_row = jnp.sum(both, axis=1, dtype=jnp.uint16).astype(jnp.int32)
+  # Summed over groups of 32 lanes first, then (as int32, so that XLA does
+  # not merge the two sums) over the groups: XLA:CPU rewrites a reduction
+  # over more than 32 entries into a reduce-window that cannot fuse its
+  # operand, so the 128-lane sum stored the whole uint16 array each pass.
+  groups = both.reshape(x.shape[0], -1, 32)
+  per_row = jnp.sum(jnp.sum(groups, axis=2, dtype=jnp.uint16).astype(
+      jnp.int32), axis=1)
   return jnp.stack([per_row & 0xFF, per_row >> 8], axis=1)
 
 
@@ -241,7 +247,7 @@ def _sample(scores, num_valid):
     index = np.sort(np.random.default_rng(c).integers(0, c, SAMPLE,
                                                       dtype=np.int32))
   keys = jnp.where(index < num_valid, magnitude_key(scores[index]), PAD_KEY)
-  return -jnp.sort(-keys)
+  return -jnp.sort(-keys, stable=False)  # int keys: ties are alike
 
 
 def threshold_topk_words(scores, num_valid, k, *,

@@ -291,6 +291,11 @@ class _Hyper:
   variant: str = 'faithful'
 
 
+# Leaves of at least this many entries get m~ stored once (see
+# `_semi_updated_moment`); on smaller ones recomputing it is cheaper.
+_STORE_MOMENT_MIN = 1 << 16
+
+
 def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
                      plan: CompressionPlan, hyper: _Hyper,
                      schedule: DensitySchedule):
@@ -304,7 +309,7 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
            for per_level in k_levels]
 
   moment = _semi_updated_moment(grad_leaves, mu, flat(state.residual),
-                                plan, hyper.b1)
+                                plan, hyper.b1, state.count)
   global_masks = _exchange_masks(flat(state.mask), plan, k_now, hyper)
   if hyper.payload_dtype == 'float32':
     bbar, errors = _exchange_payload(moment, plan, global_masks,
@@ -344,12 +349,22 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
 # The phases of one update, in order. Lists run over the leaves of the tree.
 
 
-def _semi_updated_moment(grads, mu, residual, plan, b1):
-  """m~ = b1 m + (1 - b1) g^n + e^n (the residual only on compressed leaves)."""
+def _semi_updated_moment(grads, mu, residual, plan, b1, count):
+  """m~ = b1 m + (1 - b1) g^n + e^n (the residual only on compressed leaves).
+
+  On large leaves, divided by a 1 that XLA cannot fold (from `count`): a
+  division is costly enough that XLA stores m~ once, where it would
+  otherwise recompute it from three arrays in each full-size consumer
+  (`bench/optimizer_overhead.py`). x / 1 is exact.
+  """
+  one = jnp.where(count >= 0, 1.0, 2.0).astype(jnp.float32)
   moment = []
   for g, m, e, layout in zip(grads, mu, residual, plan.layouts):
     mt = b1 * m + (1.0 - b1) * g
-    moment.append(mt if layout is None else mt + e[0])
+    if layout is not None:
+      mt = mt + e[0]
+      mt = mt / one if layout.size >= _STORE_MOMENT_MIN else mt
+    moment.append(mt)
   return moment
 
 
@@ -386,7 +401,7 @@ def _exchange_payload(moment, plan, global_masks, axis_name):
 
   Returns the mean over workers split per leaf (compacted for sparse leaves).
   """
-  payload = [mt.reshape(-1) if g is None else _compact(mt, layout, g.offsets)
+  payload = [mt.reshape(-1) if g is None else masks.gather_at(mt, layout, g.offsets)
              for mt, layout, g in zip(moment, plan.layouts, global_masks)]
   flat = jnp.concatenate(payload)
   mean = flat if axis_name is None else jax.lax.pmean(flat, axis_name)
@@ -409,10 +424,11 @@ def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1,
     shape, layout, mask = plan.shapes[j], plan.layouts[j], global_masks[j]
     err = errors[j]
     if mask is not None:
-      b = _scatter(values, layout, mask.offsets, shape)
+      b = masks.scatter_at(values, layout, mask.offsets, shape)
       in_mask = layout.from_chunks(
           masks.unpack_bits(mask.words, layout.chunk_size), shape)
-      kept = 0.0 if err is None else _scatter(err, layout, mask.offsets, shape)
+      kept = (0.0 if err is None else
+              masks.scatter_at(err, layout, mask.offsets, shape))
       m_out, e_out = _scape_variants.outside_mask(variant, mt, m, b1)
       residual.append(jnp.where(in_mask, kept, e_out)[None])
       gbar.append(jnp.where(in_mask, (b - b1 * m) / (1.0 - b1), 0.0))
@@ -500,30 +516,6 @@ def _mask_from_wire(part: jax.Array, layout: masks.LeafLayout, k: int,
   offsets = masks.offsets_from_wire(part, layout, k, encoding)
   return _GlobalMask(offsets,
                      masks.offsets_to_words(offsets, layout.chunk_size))
-
-
-def _flat_index(layout: masks.LeafLayout, offsets: jax.Array) -> jax.Array:
-  """Chunk offsets int32[N, k] -> flat offsets into the leaf, int32[N * k].
-
-  Offsets into the padding past the leaf come out >= layout.size.
-  """
-  starts = jnp.arange(layout.num_chunks, dtype=jnp.int32)[:, None]
-  return (starts * layout.chunk_size + offsets).reshape(-1)
-
-
-def _compact(mt: jax.Array, layout: masks.LeafLayout,
-             offsets: jax.Array) -> jax.Array:
-  """The N*k values of m~ at the mask, chunk by chunk (0 at padding)."""
-  return mt.reshape(-1).at[_flat_index(layout, offsets)].get(
-      mode='fill', fill_value=0.0)
-
-
-def _scatter(values: jax.Array, layout: masks.LeafLayout, offsets: jax.Array,
-             shape) -> jax.Array:
-  """Compacted values -> full-shape array, zero outside M."""
-  full = jnp.zeros((layout.size,), values.dtype)
-  return full.at[_flat_index(layout, offsets)].set(
-      values, mode='drop').reshape(shape)
 
 
 def scape(

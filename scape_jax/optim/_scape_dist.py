@@ -311,8 +311,8 @@ def _gather_direction(direction, own, offsets, plan, axis_name) -> list:
     if offsets[j] is None:
       full[j] = layout.from_chunks(part, shape)
     else:
-      full[j] = _scape._scatter(part.reshape(-1), layout,  # pylint: disable=protected-access
-                                offsets[j].offsets, shape)
+      full[j] = masks.scatter_at(part.reshape(-1), layout,
+                                 offsets[j].offsets, shape)
   return full
 
 
