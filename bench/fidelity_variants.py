@@ -60,6 +60,9 @@ VARIANT_NOTES = {  # what each variant changes (docs/design.md has more)
                'decays as b1**s after s steps there',
     'carry_vi': 'is `carry_v` with the mask chosen as the top-k of the '
                 'innovation |m~ - b1 m_{t-1}| instead of |m~|',
+    'stale': 'scales the step of a coordinate in M by the steps s since it '
+             'last took one, at most 1/d (outside the oracle\'s assumption '
+             '(b) below: a selected step is no longer AdamS-sized)',
 }
 
 

@@ -42,12 +42,16 @@ class ScapeReference:
   and each worker's residual keeps m~ - b1 m_{t-1}; 'carry_v' also keeps v,
   which outside the mask stays at its last value; 'carry_vi' is 'carry_v'
   whose masks are the top-k of |m~ - b1 m_{t-1}|.
+
+  variant='stale' (docs/design.md, "Variant stale"): Algorithm 1 whose step
+  at a coordinate of the mask is scaled by min(s, 1/density), s the steps
+  since that coordinate last took one.
   """
 
   def __init__(self, params, compressed, n, *, density, lr_fn, b1=0.9,
                b2=0.95, eps=1e-8, wd=0.1, clip=None, variant='faithful'):
     assert variant in ('faithful', 'fresh', 'carry', 'carry_v',
-                       'carry_vi'), variant
+                       'carry_vi', 'stale'), variant
     self.variant = variant
     self.n, self.density, self.lr_fn = n, density, lr_fn
     self.b1, self.b2, self.eps, self.wd, self.clip = b1, b2, eps, wd, clip
@@ -55,6 +59,7 @@ class ScapeReference:
     self.compressed = list(compressed)
     self.m = [np.zeros_like(p) for p in self.w]
     self.v = [np.zeros_like(p) for p in self.w]
+    self.age = [np.zeros_like(p) for p in self.w]  # 'stale'
     self.e = [[np.zeros_like(p) for p in self.w] for _ in range(n)]
     # Global mask per leaf over the padded flat index space; M_0 = all ones.
     self.chunk = [-(-p.size // n) for p in self.w]
@@ -122,6 +127,10 @@ class ScapeReference:
         first = np.sign(bbar[j]) / (1 + self.eps * (1 - b1**t) /
                                     np.maximum(np.abs(bbar[j]), 1e-38))
         u = np.where(restarted, first, u)
+      if self.variant == 'stale':
+        u = u * np.minimum(self.age[j] + 1, np.float32(1 / self.density))
+        self.age[j] = np.where(in_ms[j], 0, self.age[j] + 1).astype(
+            np.float32)
       self.w[j] = (self.w[j] - lr * (u + self.wd * self.w[j])).astype(
           np.float32)
       if self.compressed[j]:

@@ -94,7 +94,8 @@ def test_density_one_equals_adams_on_mean_gradient():
                                              (0.1, 'fresh'),
                                              (0.1, 'carry'),
                                              (0.01, 'carry_v'),
-                                             (0.1, 'carry_vi')])
+                                             (0.1, 'carry_vi'),
+                                             (0.1, 'stale')])
 def test_matches_numpy_simulation_of_algorithm_1(density, variant):
   params = _params()
   n, steps, clip = 8, 20, 2.0
@@ -108,13 +109,14 @@ def test_matches_numpy_simulation_of_algorithm_1(density, variant):
   ref = ScapeReference([params[k] for k in names], compressed, n,
                        density=density, lr_fn=lambda i: float(lr_fn(i)),
                        clip=clip, variant=variant)
-  clipped, restarted, carried = 0, 0, 0
+  clipped, restarted, carried, stale = 0, 0, 0, 0
   for g in grads:
     run.step(g)
     in_force = [ref.mask[j][:p.size].reshape(p.shape) if compressed[j] else
                 np.zeros(p.shape, bool) for j, p in enumerate(ref.w)]
     restarted += sum(int(np.sum((m == 0) & c))
                      for m, c in zip(ref.m, in_force))
+    stale += sum(int(np.sum((a > 0) & c)) for a, c in zip(ref.age, in_force))
     clipped += ref.step([[g[k][w] for k in names] for w in range(n)]) > clip
     # Compressed coordinates outside this step's M that still have m != 0.
     carried += sum(int(np.sum((m != 0) & ~c)) for m, c, z in
@@ -126,6 +128,9 @@ def test_matches_numpy_simulation_of_algorithm_1(density, variant):
       if variant in ('carry_v', 'carry_vi'):
         np.testing.assert_allclose(np.asarray(st.variant_state[k]), ref.v[j],
                                    rtol=2e-5, atol=1e-9, err_msg=k)
+      if variant == 'stale':
+        np.testing.assert_array_equal(np.asarray(st.variant_state[k]),
+                                      ref.age[j], err_msg=k)
       np.testing.assert_allclose(np.asarray(st.mu[k]), ref.m[j],
                                  rtol=2e-5, atol=2e-6, err_msg=k)
       if not compressed[j]:
@@ -140,7 +145,8 @@ def test_matches_numpy_simulation_of_algorithm_1(density, variant):
   assert float(st.density) == pytest.approx(density)
   assert float(jnp.mean(st.residual_norm)) > 0
   assert clipped > steps // 2
-  if variant in ('faithful', 'fresh'):
+  assert (stale > 0) == (variant == 'stale')  # scaled steps were taken
+  if variant in ('faithful', 'fresh', 'stale'):
     assert restarted > 0  # coordinates entered M with m = 0 ('fresh' acts)
     assert carried == 0  # Algorithm 1 zeroes m outside M
   else:

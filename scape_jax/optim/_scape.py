@@ -323,7 +323,8 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
   gbar = _clip(gbar, hyper.clip_norm)
   count = optax.safe_increment(state.count)
   direction, variant_state = _direction(mu, bbar, gbar, count, hyper,
-                                        in_mask, state.variant_state)
+                                        in_mask, state.variant_state,
+                                        1.0 / hyper.levels[level])
   scores = _scape_variants.mask_scores(hyper.variant, moment, mu, hyper.b1)
   own_mask = _next_own_masks(scores, plan, k_levels, level,
                              schedule.level(state.count + 1), hyper)
@@ -455,17 +456,20 @@ def _clip(gbar, clip_norm):
   return [g * factor for g in gbar]
 
 
-def _direction(mu_prev, bbar, gbar, count, hyper, in_mask, variant_state):
-  """The AdamS direction (v from m_{t-1} and gbar, m = bbar), variant state."""
+def _direction(mu_prev, bbar, gbar, count, hyper, in_mask, variant_state,
+               max_scale):
+  """The AdamS direction (v from m_{t-1} and gbar, m = bbar), variant state
+  (`max_scale`: 1 / this level's density, for 'stale')."""
   nu = [hyper.b2 * m * m + (1.0 - hyper.b2) * g * g
         for m, g in zip(mu_prev, gbar)]
-  nu_prev = jax.tree.leaves(variant_state)
+  prev = jax.tree.leaves(variant_state)
   nu = _scape_variants.second_moment(hyper.variant, mu_prev, bbar, nu, count,
-                                     hyper.b1, hyper.b2, in_mask, nu_prev)
+                                     hyper.b1, hyper.b2, in_mask, prev)
   direction = _common.bias_corrected_direction(bbar, nu, count, b1=hyper.b1,
                                                b2=hyper.b2, eps=hyper.eps)
-  return direction, (jax.tree.structure(variant_state).unflatten(nu)
-                     if nu_prev else variant_state)
+  direction, new = _scape_variants.finish_direction(
+      hyper.variant, direction, nu, in_mask, prev, max_scale)
+  return direction, jax.tree.structure(variant_state).unflatten(new)
 
 
 def _next_own_masks(moment, plan, k_levels, level, next_level, hyper):

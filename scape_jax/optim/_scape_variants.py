@@ -21,7 +21,10 @@ import jax.numpy as jnp
 #   outside M, so the off-M step decays as b1**s after s steps outside M.
 # 'carry_vi': 'carry_v' whose mask is the top-k of the innovation
 #   |m~ - b1 m_{t-1}| (what the other workers do not know) instead of |m~|.
-VARIANTS = ('faithful', 'fresh', 'carry', 'carry_v', 'carry_vi')
+# 'stale': Algorithm 1 whose step at a coordinate in M is scaled by the
+#   steps s since the coordinate last took one (the steps its residual
+#   gathered), at most 1/d: a replicated age per coordinate.
+VARIANTS = ('faithful', 'fresh', 'carry', 'carry_v', 'carry_vi', 'stale')
 
 
 def check_variant(variant: str, where: str) -> None:
@@ -45,8 +48,9 @@ def mask_scores(variant: str, moment: Sequence[jax.Array],
 
 
 def init_state(variant: str, params):
-  """The variant's replicated state: v for 'carry_v' and 'carry_vi', else ()."""
-  if variant in ('carry_v', 'carry_vi'):
+  """The variant's replicated state: v for 'carry_v' and 'carry_vi', the
+  age (steps since the last step taken) for 'stale', else ()."""
+  if variant in ('carry_v', 'carry_vi', 'stale'):
     return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   return ()
 
@@ -81,7 +85,7 @@ def second_moment(variant: str, mu_prev: Sequence[jax.Array],
   v keeps its previous value `nu_prev[j]`; in M it is AdamS's.
   'carry' uses AdamS's v everywhere: b2 m_{t-1}^2 outside M.
   """
-  if variant in ('faithful', 'carry'):
+  if variant in ('faithful', 'carry', 'stale'):
     return list(nu)
   if variant in ('carry_v', 'carry_vi'):
     return [v if m is None else jnp.where(m, v, old)
@@ -90,3 +94,28 @@ def second_moment(variant: str, mu_prev: Sequence[jax.Array],
   ratio = (1.0 - b2**t) / (1.0 - b1**t)**2
   return [jnp.where(m == 0, b * b * ratio, v)
           for m, b, v in zip(mu_prev, bbar, nu)]
+
+
+def finish_direction(variant: str, direction: Sequence[jax.Array],
+                     nu: Sequence[jax.Array], in_mask: Sequence,
+                     prev: Sequence[jax.Array], max_scale: float) -> tuple:
+  """(direction, new variant state leaves) once the AdamS direction is known.
+
+  'carry_v', 'carry_vi': the state is v. 'stale': the direction is scaled
+  by min(s, max_scale), s = age + 1 the steps since the coordinate last
+  took a step (outside M the direction is 0 already), and the age restarts
+  in M (`in_mask[j]` None: a dense leaf, always in M). Else unchanged, ().
+  """
+  if variant in ('carry_v', 'carry_vi'):
+    return list(direction), list(nu)
+  if variant != 'stale':
+    return list(direction), list(prev)
+  out, ages = [], []
+  for d, m, age in zip(direction, in_mask, prev):
+    if m is None:
+      out.append(d)
+      ages.append(jnp.zeros_like(age))
+    else:
+      out.append(d * jnp.minimum(age + 1.0, max_scale))
+      ages.append(jnp.where(m, 0.0, age + 1.0))
+  return out, ages
