@@ -296,9 +296,15 @@ def gather_at(x: jax.Array, layout: LeafLayout,
       mode='fill', fill_value=0.0)
 
 
+def set_at(x: jax.Array, layout: LeafLayout, offsets: jax.Array,
+           values: jax.Array) -> jax.Array:
+  """Leaf x with the N*k entries at chunk offsets int32[N, k] replaced by
+  `values` (those at padding dropped)."""
+  return x.reshape(-1).at[_flat_index(layout, offsets)].set(
+      values, mode='drop').reshape(x.shape)
+
+
 def scatter_at(values: jax.Array, layout: LeafLayout, offsets: jax.Array,
                shape) -> jax.Array:
   """`gather_at`'s inverse: N*k values -> a full-shape leaf, 0 elsewhere."""
-  full = jnp.zeros((layout.size,), values.dtype)
-  return full.at[_flat_index(layout, offsets)].set(
-      values, mode='drop').reshape(shape)
+  return set_at(jnp.zeros(shape, values.dtype), layout, offsets, values)

@@ -247,7 +247,7 @@ def _sample(scores, num_valid):
     index = np.sort(np.random.default_rng(c).integers(0, c, SAMPLE,
                                                       dtype=np.int32))
   keys = jnp.where(index < num_valid, magnitude_key(scores[index]), PAD_KEY)
-  return -jnp.sort(-keys, stable=False)  # int keys: ties are alike
+  return -jnp.sort(-keys)
 
 
 def threshold_topk_words(scores, num_valid, k, *,

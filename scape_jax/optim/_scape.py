@@ -428,10 +428,13 @@ def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1,
       b = masks.scatter_at(values, layout, mask.offsets, shape)
       in_mask = layout.from_chunks(
           masks.unpack_bits(mask.words, layout.chunk_size), shape)
-      kept = (0.0 if err is None else
-              masks.scatter_at(err, layout, mask.offsets, shape))
       m_out, e_out = _scape_variants.outside_mask(variant, mt, m, b1)
-      residual.append(jnp.where(in_mask, kept, e_out)[None])
+      kept = jnp.zeros_like(values) if err is None else err
+      if e_out is mt:  # m~ with M overwritten: cheaper than a masked pass
+        residual.append(masks.set_at(mt, layout, mask.offsets, kept)[None])
+      else:
+        kept = masks.scatter_at(kept, layout, mask.offsets, shape)
+        residual.append(jnp.where(in_mask, kept, e_out)[None])
       gbar.append(jnp.where(in_mask, (b - b1 * m) / (1.0 - b1), 0.0))
       b = b if m_out is None else jnp.where(in_mask, b, m_out)
     else:
