@@ -164,7 +164,9 @@ def words_to_offsets(words: jax.Array, k: int) -> jax.Array:
   count = jax.lax.population_count(words).astype(jnp.int32)
   before = jnp.cumsum(count, axis=1) - count  # set bits in earlier words
   rows = jnp.arange(n)[:, None]
-  starts = jnp.zeros((n, k + 1), jnp.int32).at[
+  # A 0 that XLA cannot fold (see `scatter_at`): no shared, copied zeros.
+  zero = jnp.where(before[0, 0] < 0, 1, 0)
+  starts = jnp.full((n, k + 1), zero, jnp.int32).at[
       rows, jnp.minimum(before, k)].add(1)
   word = jnp.cumsum(starts[:, :k], axis=1) - 1  # word of the j-th set bit
   rank = jnp.arange(k, dtype=jnp.int32) - jnp.take_along_axis(before, word, 1)
@@ -307,4 +309,8 @@ def set_at(x: jax.Array, layout: LeafLayout, offsets: jax.Array,
 def scatter_at(values: jax.Array, layout: LeafLayout, offsets: jax.Array,
                shape) -> jax.Array:
   """`gather_at`'s inverse: N*k values -> a full-shape leaf, 0 elsewhere."""
-  return set_at(jnp.zeros(shape, values.dtype), layout, offsets, values)
+  # The 0 is read off `offsets` (never negative), so XLA cannot fold it and
+  # gives each leaf its own zero array to scatter into; a constant 0 array
+  # is shared by the leaves of one shape and copied before every scatter.
+  zero = jnp.where(offsets.reshape(-1)[0] < 0, 1, 0).astype(values.dtype)
+  return set_at(jnp.full(shape, zero), layout, offsets, values)
