@@ -50,8 +50,9 @@ def phases(params, grads, state, density: float) -> dict:
   sparse = [j for j, k in enumerate(ks) if k is not None and
             plan.is_sparse(j, k[level])]
 
+  k_now = [None if k is None else k[level] for k in ks]
   moment = jax.jit(lambda g, mu, e, count: _scape._semi_updated_moment(
-      g, mu, e, plan, B1, count))
+      g, mu, e, plan, B1, count, k_now))
   mt = moment(g, mu, e, state.count)
   decode = jax.jit(lambda w: [masks.words_to_offsets(w[j], ks[j][level])
                               for j in sparse])

@@ -291,9 +291,7 @@ class _Hyper:
   variant: str = 'faithful'
 
 
-# Leaves of at least this many entries get m~ stored once (see
-# `_semi_updated_moment`); on smaller ones recomputing it is cheaper.
-_STORE_MOMENT_MIN = 1 << 16
+_STORE_MOMENT_MIN = 1 << 16  # smaller leaves recompute m~ (see its use)
 
 
 def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
@@ -309,7 +307,7 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
            for per_level in k_levels]
 
   moment = _semi_updated_moment(grad_leaves, mu, flat(state.residual),
-                                plan, hyper.b1, state.count)
+                                plan, hyper.b1, state.count, k_now)
   global_masks = _exchange_masks(flat(state.mask), plan, k_now, hyper)
   if hyper.payload_dtype == 'float32':
     bbar, errors = _exchange_payload(moment, plan, global_masks,
@@ -350,21 +348,23 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
 # The phases of one update, in order. Lists run over the leaves of the tree.
 
 
-def _semi_updated_moment(grads, mu, residual, plan, b1, count):
+def _semi_updated_moment(grads, mu, residual, plan, b1, count, k_now):
   """m~ = b1 m + (1 - b1) g^n + e^n (the residual only on compressed leaves).
 
-  On large leaves, divided by a 1 that XLA cannot fold (from `count`): a
-  division is costly enough that XLA stores m~ once, where it would
-  otherwise recompute it from three arrays in each full-size consumer
-  (`bench/optimizer_overhead.py`). x / 1 is exact.
+  On large leaves sparse at this level (k_now), divided by a 1 that XLA
+  cannot fold (from `count`): a division is costly enough that XLA stores
+  m~ once, where it would otherwise recompute it from three arrays in each
+  full-size consumer (`bench/optimizer_overhead.py`). x / 1 is exact.
   """
   one = jnp.where(count >= 0, 1.0, 2.0).astype(jnp.float32)
   moment = []
-  for g, m, e, layout in zip(grads, mu, residual, plan.layouts):
+  for j, (g, m, e) in enumerate(zip(grads, mu, residual)):
     mt = b1 * m + (1.0 - b1) * g
-    if layout is not None:
+    if plan.layouts[j] is not None:
       mt = mt + e[0]
-      mt = mt / one if layout.size >= _STORE_MOMENT_MIN else mt
+      store = (plan.layouts[j].size >= _STORE_MOMENT_MIN and
+               plan.is_sparse(j, k_now[j]))
+      mt = mt / one if store else mt
     moment.append(mt)
   return moment
 
