@@ -6,9 +6,9 @@ tree, the final density level) split into the phases of
 leaf and timed interleaved with `optax.adamw`'s whole update and SCAPE's
 whole update (A B C ... A B C ..., `block_until_ready`, median). A phase's
 inputs are the real intermediate values of that update. Phases alone are
-not additive: XLA fuses across them inside the whole update (and recomputes
-m~ in several consumers), so their sum differs from the update's time; the
-table says how the time divides, not a budget.
+not additive: XLA fuses across them inside the whole update, so their sum
+differs from the update's time; the table says how the time divides, not a
+budget.
 
   python bench/update_phases.py                     # d = 0.1, llama-100m
   python bench/update_phases.py --density 0.01 --repeats 9
@@ -70,8 +70,9 @@ def phases(params, grads, state, density: float) -> dict:
     return layout.from_chunks(masks.unpack_bits(words[j], layout.chunk_size),
                               plan.shapes[j])
 
-  residual = jax.jit(lambda mt: [
-      jnp.where(unpack(j), 0.0, mt[j])[None] for j in sparse])
+  residual = jax.jit(lambda mt, o: [  # Algorithm 1's, as `_reconstruct`
+      masks.set_at(mt[j], plan.layouts[j], x, jnp.zeros(x.size))[None]
+      for j, x in zip(sparse, o)])
 
   def gbar_direction(b, m):  # Eq. 3, the clip's norm and the direction
     gb = [jnp.where(unpack(j), (x - B1 * m[j]) / (1 - B1), 0.0)
@@ -93,7 +94,7 @@ def phases(params, grads, state, density: float) -> dict:
       'mask words -> offsets': lambda: decode(words),
       'payload gather (m~ at M)': lambda: compact(mt, offsets),
       'scatter (bbar, zeros outside M)': lambda: scatter(values, offsets),
-      'residual = m~ outside M': lambda: residual(mt),
+      'residual = m~ outside M': lambda: residual(mt, offsets),
       'gbar, clip norm, direction': lambda: direction(bbar, mu),
       'next mask (select)': lambda: select(mt),
   }
