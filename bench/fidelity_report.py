@@ -109,14 +109,17 @@ def plot_gaps(grid: dict, path: str) -> None:
         for g in gaps(grid.get(point, {}), method):
           xs.append(i)
           ys.append(100 * g)
-      if xs:
-        ax.plot(xs, ys, 'o', alpha=0.7, label=method)
+      if xs:  # a color per method, a marker per density
+        family, density = method.rsplit(' d=', 1)
+        color = f'C{(("SCAPE",) + fidelity.VARIANTS).index(family)}'
+        ax.plot(xs, ys, 'o' if density == '0.1' else 's', color=color,
+                alpha=0.7, label=method)
     ax.axhline(0, color='k', lw=0.8)
     ax.axhspan(-100 * WITHIN, 100 * WITHIN, color='g', alpha=0.1)
     ax.set_xticks(range(len(values)), values, rotation=20)
     ax.set_title(name)
   axes[0].set_ylabel('eval loss vs AdamS (%)')
-  axes[-1].legend(fontsize=7)
+  axes[-1].legend(fontsize=7, loc='center left', bbox_to_anchor=(1.02, 0.5))
   fig.tight_layout()
   _save(fig, path)
   plt.close(fig)
