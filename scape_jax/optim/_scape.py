@@ -402,7 +402,8 @@ def _exchange_payload(moment, plan, global_masks, axis_name):
 
   Returns the mean over workers split per leaf (compacted for sparse leaves).
   """
-  payload = [mt.reshape(-1) if g is None else masks.gather_at(mt, layout, g.offsets)
+  payload = [mt.reshape(-1) if g is None else
+             masks.gather_at(mt, layout, g.offsets)
              for mt, layout, g in zip(moment, plan.layouts, global_masks)]
   flat = jnp.concatenate(payload)
   mean = flat if axis_name is None else jax.lax.pmean(flat, axis_name)
