@@ -164,9 +164,7 @@ def words_to_offsets(words: jax.Array, k: int) -> jax.Array:
   count = jax.lax.population_count(words).astype(jnp.int32)
   before = jnp.cumsum(count, axis=1) - count  # set bits in earlier words
   rows = jnp.arange(n)[:, None]
-  # A 0 that XLA cannot fold (see `scatter_at`): no shared, copied zeros.
-  zero = jnp.where(before[0, 0] < 0, 1, 0)
-  starts = jnp.full((n, k + 1), zero, jnp.int32).at[
+  starts = _own_zeros((n, k + 1), jnp.int32, before).at[
       rows, jnp.minimum(before, k)].add(1)
   word = jnp.cumsum(starts[:, :k], axis=1) - 1  # word of the j-th set bit
   rank = jnp.arange(k, dtype=jnp.int32) - jnp.take_along_axis(before, word, 1)
@@ -309,8 +307,13 @@ def set_at(x: jax.Array, layout: LeafLayout, offsets: jax.Array,
 def scatter_at(values: jax.Array, layout: LeafLayout, offsets: jax.Array,
                shape) -> jax.Array:
   """`gather_at`'s inverse: N*k values -> a full-shape leaf, 0 elsewhere."""
-  # The 0 is read off `offsets` (never negative), so XLA cannot fold it and
-  # gives each leaf its own zero array to scatter into; a constant 0 array
-  # is shared by the leaves of one shape and copied before every scatter.
-  zero = jnp.where(offsets.reshape(-1)[0] < 0, 1, 0).astype(values.dtype)
-  return set_at(jnp.full(shape, zero), layout, offsets, values)
+  return set_at(_own_zeros(shape, values.dtype, offsets), layout, offsets,
+                values)
+
+
+def _own_zeros(shape, dtype, never_negative: jax.Array) -> jax.Array:
+  """Zeros to scatter into, filled with a 0 read off `never_negative` (an
+  int array with no negative entry), so XLA cannot fold it: a constant 0
+  array is shared by every scatter of one shape and copied before each."""
+  zero = jnp.where(never_negative.reshape(-1)[0] < 0, 1, 0)
+  return jnp.full(shape, zero, dtype)

@@ -291,7 +291,7 @@ class _Hyper:
   variant: str = 'faithful'
 
 
-_STORE_MOMENT_MIN = 1 << 16  # smaller leaves recompute m~ (see its use)
+_STORE_MIN = 1 << 16  # smaller leaves recompute m~ (`_semi_updated_moment`)
 
 
 def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
@@ -362,9 +362,8 @@ def _semi_updated_moment(grads, mu, residual, plan, b1, count, k_now):
     mt = b1 * m + (1.0 - b1) * g
     if plan.layouts[j] is not None:
       mt = mt + e[0]
-      store = (plan.layouts[j].size >= _STORE_MOMENT_MIN and
-               plan.is_sparse(j, k_now[j]))
-      mt = mt / one if store else mt
+      if plan.layouts[j].size >= _STORE_MIN and plan.is_sparse(j, k_now[j]):
+        mt = mt / one
     moment.append(mt)
   return moment
 
@@ -430,11 +429,12 @@ def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1,
       in_mask = layout.from_chunks(
           masks.unpack_bits(mask.words, layout.chunk_size), shape)
       m_out, e_out = _scape_variants.outside_mask(variant, mt, m, b1)
-      kept = jnp.zeros_like(values) if err is None else err
-      if e_out is mt:  # m~ with M overwritten: cheaper than a masked pass
+      if m_out is None:  # e = m~ with M overwritten: no masked full pass
+        kept = jnp.zeros_like(values) if err is None else err
         residual.append(masks.set_at(mt, layout, mask.offsets, kept)[None])
       else:
-        kept = masks.scatter_at(kept, layout, mask.offsets, shape)
+        kept = 0.0 if err is None else masks.scatter_at(
+            err, layout, mask.offsets, shape)
         residual.append(jnp.where(in_mask, kept, e_out)[None])
       gbar.append(jnp.where(in_mask, (b - b1 * m) / (1.0 - b1), 0.0))
       b = b if m_out is None else jnp.where(in_mask, b, m_out)
