@@ -318,7 +318,7 @@ def main(argv=None):
     args.trees, args.repeats, args.number = ['llama-tiny'], 3, 2
   args.out = args.out or (QUICK_OUT if args.quick else OUT)
   t0 = time.perf_counter()
-  platform = jax.devices()[0].platform
+  platform = topk.backend_platform()
   print(f'jax {jax.__version__} on {platform} ({os.cpu_count()} CPU cores, '
         f'{jax.devices()[0].device_kind}); default select on {platform}: '
         f'{topk.AUTO_SELECT.get(platform, "threshold")}.', flush=True)

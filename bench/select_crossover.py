@@ -48,7 +48,7 @@ def main() -> None:
     for k in (c // 1000, c // 100, c // 32, c // 10):
       ms = [median_ms(jax.jit(lambda v, s=s, k=k, c=c: topk.chunk_topk_words(
           v, c, k, k, select=s)), x) for s in SELECTS]
-      auto = topk.auto_select(jax.default_backend(), k)
+      auto = topk.auto_select(topk.backend_platform(), k)
       print(f'| {c:,} | {k:,} | {ms[0]:.3f} | {ms[1]:.3f} | '
             f'{ms[0] / ms[1]:.2f} | {auto} |', flush=True)
 

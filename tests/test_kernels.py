@@ -96,6 +96,9 @@ def _kernel_calls():
   thresholds = jnp.asarray([0, 5], jnp.int32)
   return {
       'count_at_least': (topk_mask.count_at_least, (x, 4000, thresholds)),
+      # Triton needs power-of-two blocks: 5 thresholds are padded to 8.
+      'count_at_least_5': (topk_mask.count_at_least,
+                           (x, 4000, jnp.arange(5, dtype=jnp.int32))),
       'threshold_mask_words': (topk_mask.threshold_mask_words,
                                (x, 4000, 1, 2, 3)),
       'pack_bits': (pack_bits.pack_bits, (bits,)),

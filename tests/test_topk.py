@@ -150,12 +150,27 @@ def test_auto_resolves_per_lowering_platform():
   assert topk.auto_select('cpu', topk.AUTO_SORT_MAX_WIDTH['cpu'] + 1) == (
       topk.AUTO_SELECT['cpu'])
   assert topk.auto_select('tpu', 1) == topk.AUTO_SELECT['tpu']
+  assert topk.backend_platform() == 'cpu'
   x = jax.random.normal(jax.random.key(1), (4096,))
   for width in (16, 2048):
     np.testing.assert_array_equal(
         np.asarray(topk.chunk_topk_words(x, 4000, width, width)),
         np.asarray(topk.chunk_topk_words(x, 4000, width, width,
                                          select='sort')))
+
+
+def test_auto_lowers_the_sort_for_gpus_and_the_search_for_cpu():
+  # One traced program; the platform it is lowered for picks the branch
+  # (AUTO_SELECT: measured on an H100, docs/benchmarks.md section 2).
+  x = jnp.ones((1 << 14,))
+  traced = jax.jit(lambda x, k: topk.chunk_topk_words(x, x.size, 4096, k)
+                   ).trace(x, jnp.int32(100))
+  text = {p: traced.lower(lowering_platforms=(p,)).as_text()
+          for p in ('cpu', 'cuda', 'rocm')}
+  assert 'stablehlo.while' in text['cpu']  # the threshold search
+  for gpu in ('cuda', 'rocm'):
+    assert 'stablehlo.while' not in text[gpu]
+    assert 'chlo.top_k' in text[gpu]  # lax.top_k
 
 
 def test_rejects_bad_select_and_width():

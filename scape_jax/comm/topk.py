@@ -35,7 +35,7 @@ Selections (`SELECTS`):
     (`jax.lax.platform_dependent`), so a program lowered for another
     platform gets that platform's choice. Except: where the top-k width is
     at most `AUTO_SORT_MAX_WIDTH` of the backend the program is *traced* on
-    (jax.default_backend()), 'sort' (XLA:CPU's top-k costs about linear in
+    (`backend_platform()`), 'sort' (XLA:CPU's top-k costs about linear in
     k, the search about linear in the chunk with a fixed floor:
     `bench/select_crossover.py`). Both give the same bits.
 """
@@ -50,9 +50,11 @@ from scape_jax.kernels import topk_mask
 from scape_jax.kernels.topk_mask import NAN_KEY, PAD_KEY, ROW, magnitude_key
 
 SELECTS = ('auto', 'sort', 'threshold', 'pallas')
-# The default per lowering platform ('auto'). The Pallas kernels lower for
-# cuda and tpu but have not been timed on either (docs/design.md).
-AUTO_SELECT = {'cpu': 'threshold', 'cuda': 'threshold', 'rocm': 'threshold',
+# The default per lowering platform ('auto'), by measurement where there is
+# one (docs/benchmarks.md, section 2): on an H100 the sort is 2.5x faster
+# than the search, whose while loops wait on the host at every pass; rocm
+# runs XLA's GPU runtime too (not measured); tpu: not measured.
+AUTO_SELECT = {'cpu': 'threshold', 'cuda': 'sort', 'rocm': 'sort',
                'tpu': 'threshold'}
 # 'auto' takes 'sort' for a width up to this, per platform (measured on CPU
 # only: `bench/select_crossover.py`; no entry: never).
@@ -90,7 +92,7 @@ def chunk_topk_words(scores: jax.Array, num_valid, width: int, k, *,
   k = jnp.asarray(k, jnp.int32)
   num_valid = jnp.asarray(num_valid, jnp.int32)
   if select == 'auto' and width <= AUTO_SORT_MAX_WIDTH.get(
-      jax.default_backend(), 0):
+      backend_platform(), 0):
     select = 'sort'  # by the backend this is traced on (see the docstring)
   if select == 'auto':
     choices = sorted(set(AUTO_SELECT.values()))
@@ -102,6 +104,16 @@ def chunk_topk_words(scores: jax.Array, num_valid, width: int, k, *,
           scores, num_valid, k, default=_bound('threshold', width),
           **branches)
   return _bound(select, width)(scores, num_valid, k)
+
+
+def backend_platform() -> str:
+  """The default backend as a lowering platform: 'cpu', 'cuda', 'rocm' or
+  'tpu' (jax.default_backend() says 'gpu' for both GPU platforms)."""
+  platform = jax.default_backend()
+  if platform == 'gpu':
+    version = jax.devices()[0].client.platform_version.lower()
+    return 'rocm' if 'rocm' in version else 'cuda'
+  return platform
 
 
 def auto_select(platform: str, width: int) -> str:

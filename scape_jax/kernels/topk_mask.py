@@ -108,11 +108,16 @@ def count_at_least(x: jax.Array, num_valid, thresholds: jax.Array, *,
     BLOCK_ROWS rows; rows past the chunk hold padding only.
   """
   rows = as_rows(x)
-  num_thresholds = thresholds.shape[0]
+  given = thresholds.shape[0]
+  # Triton blocks hold a power-of-two number of elements: repeat the last
+  # threshold up to one, and drop its columns after.
+  num_thresholds = 1 << max(given - 1, 0).bit_length()
+  thresholds = jnp.pad(thresholds.astype(jnp.int32),
+                       (0, num_thresholds - given), mode='edge')
   params, rows = same_varying(
-      jnp.concatenate([jnp.asarray(num_valid, jnp.int32)[None],
-                       thresholds.astype(jnp.int32)]), rows)
-  return pallas_call(
+      jnp.concatenate([jnp.asarray(num_valid, jnp.int32)[None], thresholds]),
+      rows)
+  counts = pallas_call(
       _count_kernel,
       grid=(rows.shape[0] // BLOCK_ROWS,),
       in_specs=[pl.BlockSpec((num_thresholds + 1,), lambda i: (0,)),
@@ -122,6 +127,7 @@ def count_at_least(x: jax.Array, num_valid, thresholds: jax.Array, *,
       interpret=interpret,
       name='scape_count_at_least',
   )(params, rows)
+  return counts[:, :given]
 
 
 def count_at_least_reference(x: jax.Array, num_valid,

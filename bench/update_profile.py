@@ -1,0 +1,86 @@
+"""Where one compiled optimizer update spends its time, from a profiler trace.
+
+Runs `bench/optimizer_overhead.py`'s update of one method on one tree under
+`jax.profiler.trace`, and prints the device (or CPU thunk) time per call of
+each op name, summed over its events, with the event count per call: a
+while loop's host round trips show as many small copies. Writes the table
+and the perfetto trace to --out.
+
+  JAX_PLATFORMS=cuda python bench/update_profile.py --method 'scape d=0.1'
+  python bench/update_profile.py --tree llama-tiny --method adams
+"""
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, 'bench'))
+import optimizer_overhead as oo  # noqa: E402  (sets JAX_PLATFORMS=cpu)
+
+import jax  # noqa: E402
+
+# Trace events that are wrappers of the ops, not ops.
+_WRAPPERS = ('ThunkExecutor', '$', 'Pjit', 'Common', 'Parse', 'Alloc',
+             'Handle', 'PjRt', 'Thunk')
+
+
+def profile(tree: str, label: str, calls: int, out: str) -> list:
+  """[(name, ms per call, events per call)], the largest first."""
+  params, grads = oo.param_tree(tree)
+  density = float(label.split('d=')[1].split()[0]) if 'd=' in label else 1.0
+  select = label.split('select=')[1] if 'select=' in label else 'auto'
+  table = oo.methods([density], (select,))
+  if label not in table:
+    raise SystemExit(f'--method {label!r}; allowed: {sorted(table)}')
+  fn, state, _, _ = oo.prepare(table[label], params, grads)
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp, create_perfetto_trace=True):
+      for _ in range(calls):
+        jax.block_until_ready(fn(grads, state, params))
+    trace = os.path.join(out, 'update_profile.trace.json.gz')
+    shutil.copy(glob.glob(tmp + '/**/*.trace.json.gz', recursive=True)[0],
+                trace)
+  events = json.load(gzip.open(trace))
+  events = events['traceEvents'] if isinstance(events, dict) else events
+  time, count = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get('ph') == 'X' and not e['name'].startswith(_WRAPPERS):
+      name = re.sub(r'\.\d+$', '', e['name'])
+      time[name] += e['dur']
+      count[name] += 1
+  return [(n, t / calls / 1e3, count[n] / calls)
+          for n, t in time.most_common()]
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--tree', default='llama-100m', choices=sorted(oo.TREES))
+  p.add_argument('--method', default='scape d=0.1',
+                 help="a label of optimizer_overhead.methods, e.g. 'adams', "
+                 "'scape d=0.01 select=sort'")
+  p.add_argument('--calls', type=int, default=3)
+  p.add_argument('--top', type=int, default=40)
+  p.add_argument('--out', default=os.path.join(ROOT, 'runs', 'profile'))
+  args = p.parse_args(argv)
+  os.makedirs(args.out, exist_ok=True)
+  rows = profile(args.tree, args.method, args.calls, args.out)
+  lines = [f'# {args.method} on {args.tree}, jax {jax.__version__} on '
+           f'{jax.devices()[0].device_kind}; per call, {args.calls} calls',
+           '', '| op | ms per call | events per call |', '|---|---|---|']
+  lines += [f'| {n} | {ms:.3f} | {k:g} |' for n, ms, k in rows[:args.top]]
+  text = '\n'.join(lines) + '\n'
+  print(text)
+  with open(os.path.join(args.out, 'update_profile.md'), 'w') as f:
+    f.write(text)
+
+
+if __name__ == '__main__':
+  main()
