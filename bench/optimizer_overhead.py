@@ -24,7 +24,8 @@ the selection of the next mask alone, over every compressed leaf: with
 `lax.top_k` on |x| in fp32 (the selection before issue 9) and with
 the default `select` of `comm.topk.chunk_topk_words`, for N=1 and for one of
 N=32 workers (its chunk 0, 1/32 of every leaf), the latter also as a ratio
-to adamw's full update. It reports every compiled update's
+to adamw's full update (rows with another `--selects` entry: that select
+alone). It reports every compiled update's
 `memory_analysis().temp_size_in_bytes` (also in units of the fp32 tree),
 and for SCAPE that of the same update with select='sort' beside it.
 
@@ -137,10 +138,11 @@ def temp_bytes(tx, kwargs, params, grads) -> int:
 SELECTIONS = {'topk': 'lax.top_k', 'select': 'comm.topk default select'}
 
 
-def selection_seconds(params, density: float, n: int, how: str) -> float:
+def selection_seconds(params, density: float, n: int, how: str,
+                      select: str = 'auto') -> float:
   """Time of one worker's next-mask selection alone, over every compressed
   leaf (ndim >= 2), its chunk 0 of the layout over `n` workers; `how` is a
-  key of SELECTIONS."""
+  key of SELECTIONS ('select': with `select`)."""
   leaves = [x for x in jax.tree.leaves(params) if x.ndim >= 2]
   layouts = [masks.LeafLayout.create(x.size, n) for x in leaves]
   ks = [masks.chunk_k(density, layout.chunk_size) for layout in layouts]
@@ -150,17 +152,18 @@ def selection_seconds(params, density: float, n: int, how: str) -> float:
     if how == 'topk':  # As before issue 9: lax.top_k on |x| in fp32.
       _, order = jax.lax.top_k(jnp.abs(chunk), k)
       return jnp.zeros((layout.chunk_size,), bool).at[order].set(True)
-    return topk.chunk_topk_words(chunk, layout.chunk_size, k, k)
+    return topk.chunk_topk_words(chunk, layout.chunk_size, k, k,
+                                 select=select)
 
-  select = jax.jit(lambda leaves: [
+  run = jax.jit(lambda leaves: [
       one(x, layout, k) for x, layout, k in zip(leaves, layouts, ks)])
   t0 = time.perf_counter()
-  jax.block_until_ready(select(leaves))  # Compile (and run once).
+  jax.block_until_ready(run(leaves))  # Compile (and run once).
   number = 3 if time.perf_counter() - t0 < 5 else 1
   times = []
   for _ in range(number):
     t0 = time.perf_counter()
-    jax.block_until_ready(select(leaves))
+    jax.block_until_ready(run(leaves))
     times.append(time.perf_counter() - t0)
   return statistics.median(times)
 
@@ -210,7 +213,8 @@ def bench_tree(name: str, densities, repeats=None, number=None,
   at density < 1 with the default select also get the time of the selection
   alone (SELECTIONS) at N=1 (what the update does here) and at N=32 (one
   worker's 1/32 chunk of every leaf), and the temporaries of the same update
-  with select='sort' (lax.top_k, the selection before issue 9).
+  with select='sort' (lax.top_k, the selection before issue 9); rows with
+  another select get the time of that select alone.
   """
   params, grads = param_tree(name)
   n_params = sum(x.size for x in jax.tree.leaves(params))
@@ -245,6 +249,11 @@ def bench_tree(name: str, densities, repeats=None, number=None,
         for n in (1, 32):
           row[f'{how}_ms_N{n}'] = 1e3 * selection_seconds(
               params, method.density, n, how)
+      row['select_N32_vs_adamw'] = row['select_ms_N32'] / (1e3 * base)
+    elif method.density is not None and method.density < 1:
+      for n in (1, 32):  # this row's select alone
+        row[f'select_ms_N{n}'] = 1e3 * selection_seconds(
+            params, method.density, n, 'select', method.select)
       row['select_N32_vs_adamw'] = row['select_ms_N32'] / (1e3 * base)
     rows.append(row)
     print_row(row)

@@ -240,3 +240,57 @@ def test_the_search_needs_few_passes(kind, monkeypatch):
   bound = 6  # 2 to 4 counting passes measured at these seeds
   for k in (c // 10, c // 100, 1):
     assert _passes(x, k, monkeypatch) <= bound, (kind, k)
+
+
+@pytest.mark.parametrize('sample', [None, 512])
+@pytest.mark.parametrize('kind', ['normal', 'equal', 'quantised', 'zeros',
+                                  'denormal'])
+def test_bracket_equals_numpy(kind, sample, monkeypatch):
+  # With the real sample only chunks above 2**16 take the bracket; a sample
+  # of 512 puts smaller chunks through it too, and makes misses (case 3)
+  # likely.
+  if sample:
+    monkeypatch.setattr(topk, 'BRACKET_SAMPLE', sample)
+  rng = np.random.default_rng(5)
+  for c in (1000, 70_000) if sample else (70_000, 300_001):
+    x = _data(kind, c, rng)
+    run = jax.jit(lambda x, n, k: topk.chunk_topk_words(x, n, c, k,
+                                                        select='bracket'))
+    for num_valid, k in _cases(c):
+      got = run(jnp.asarray(x), jnp.int32(num_valid), jnp.int32(k))
+      np.testing.assert_array_equal(
+          np.asarray(got), _numpy_words(x, num_valid, k),
+          err_msg=f'{kind} c={c} n={num_valid} k={k}')
+
+
+def _bracket_case(x, k, width=None):
+  c = x.shape[0]
+  passes = topk._passes(x, jnp.int32(c), use_pallas=False)
+  _, case = topk._sampled_bracket(passes, x, jnp.int32(c), width or c,
+                                  jnp.int32(k))
+  return int(case)
+
+
+def test_bracket_takes_its_loop_free_cases():
+  # Smooth data: the compacted candidates (case 1), at d = 0.1 and 0.01,
+  # whatever the width; an all-equal chunk: T pinned (case 2); k = c:
+  # everything (case 0, c a multiple of 128).
+  rng = np.random.default_rng(2)
+  c = 1 << 20
+  x = jnp.asarray(rng.normal(size=c).astype(np.float32))
+  for k in (c // 10, c // 100):
+    assert _bracket_case(x, k) == 1
+    assert _bracket_case(x, k, width=k) == 1
+  assert _bracket_case(jnp.full((c,), 0.5), c // 10) == 2
+  assert _bracket_case(x, c) == 0
+  # A miss goes to the search (case 3), and still gives the exact bits:
+  # zeros at the sampled offsets, and the k largest entries elsewhere.
+  sampled = np.random.default_rng(c).integers(0, c, topk.BRACKET_SAMPLE)
+  hidden = np.abs(np.asarray(x)) + 1.0
+  hidden[sampled] = 0.0
+  k = c // 10
+  assert _bracket_case(jnp.asarray(hidden), k) == 3
+  words = topk.chunk_topk_words(jnp.asarray(hidden), c, c, k,
+                                select='bracket')
+  np.testing.assert_array_equal(np.asarray(words),
+                                _numpy_words(hidden, c, k))
