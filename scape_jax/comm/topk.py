@@ -31,11 +31,6 @@ Selections (`SELECTS`):
     on smooth data (`tests/test_topk.py` bounds them).
   * 'pallas': the same search with the counting and mask passes as Pallas
     kernels (`scape_jax.kernels.topk_mask`); Triton on GPU, Mosaic on TPU.
-  * 'bracket': one bracket placed by a sample and checked by one counting
-    pass; in the common case the keys inside it are compacted and sorted,
-    so no `while` loop runs (on a GPU each of its iterations is a host
-    round trip); if the sample misses, the search above finishes the job
-    (`bracket_topk_words`).
   * 'auto': `AUTO_SELECT[platform]`, resolved when the program is lowered
     (`jax.lax.platform_dependent`), so a program lowered for another
     platform gets that platform's choice. Except: where the top-k width is
@@ -54,7 +49,7 @@ import numpy as np
 from scape_jax.kernels import topk_mask
 from scape_jax.kernels.topk_mask import NAN_KEY, PAD_KEY, ROW, magnitude_key
 
-SELECTS = ('auto', 'sort', 'threshold', 'pallas', 'bracket')
+SELECTS = ('auto', 'sort', 'threshold', 'pallas')
 # The default per lowering platform ('auto'), by measurement where there is
 # one (docs/benchmarks.md, section 2): on an H100 the sort is 2.5x faster
 # than the search, whose while loops wait on the host at every pass; rocm
@@ -66,8 +61,6 @@ AUTO_SELECT = {'cpu': 'threshold', 'cuda': 'sort', 'rocm': 'sort',
 AUTO_SORT_MAX_WIDTH = {'cpu': 1024}
 SAMPLE = 1 << 14  # sampled keys that steer the first passes
 FINISH = 512  # keys left in the bracket when their rows are gathered and sorted
-BRACKET_SAMPLE = 1 << 16  # sampled keys that place 'bracket''s one bracket
-BRACKET_Z = 4.0  # its half-width, in standard deviations of a sampled rank
 _FILL_KEY = PAD_KEY - 1  # below every key: rows gathered past the chunk
 
 
@@ -134,8 +127,6 @@ def auto_select(platform: str, width: int) -> str:
 def _bound(select: str, width: int) -> Callable:
   if select == 'sort':
     return lambda x, n, k: sort_topk_words(x, n, width, k)
-  if select == 'bracket':
-    return lambda x, n, k: bracket_topk_words(x, n, width, k)
   return lambda x, n, k: threshold_topk_words(
       x, n, k, use_pallas=select == 'pallas')
 
@@ -258,14 +249,14 @@ def _jnp_emit(x, num_valid, lo, hi, cut):
   return _pack(chosen.reshape(-1))
 
 
-def _sample(scores, num_valid, size: int = SAMPLE):
-  """Keys of the chunk (all of them when there are at most `size`; else a
+def _sample(scores, num_valid):
+  """Keys of the chunk (all of them when there are at most SAMPLE; else a
   fixed pseudo-random sample, which no period in the data can alias),
   descending. It only steers the search."""
   c = scores.shape[0]
   index = np.arange(c, dtype=np.int32)
-  if c > size:
-    index = np.sort(np.random.default_rng(c).integers(0, c, size,
+  if c > SAMPLE:
+    index = np.sort(np.random.default_rng(c).integers(0, c, SAMPLE,
                                                       dtype=np.int32))
   keys = jnp.where(index < num_valid, magnitude_key(scores[index]), PAD_KEY)
   return -jnp.sort(-keys)
@@ -356,7 +347,7 @@ def _sample_probes(sample, c: int, b: _Bracket, k):
           inside >= 16)
 
 
-def _search(passes: _Passes, c: int, k, start=None) -> _Bracket:
+def _search(passes: _Passes, c: int, k) -> _Bracket:
   """Narrows the bracket until T is pinned (hi = lo + 1), every key in it
   is taken (c_lo = k) or at most FINISH keys are left in it. Each step is
   one counting pass with two probes:
@@ -372,9 +363,8 @@ def _search(passes: _Passes, c: int, k, start=None) -> _Bracket:
   """
   # full_like: the loop state takes the data's shard_map type.
   like = passes.sample[0]
-  if start is None:
-    start = _Bracket(*(jnp.full_like(like, v) for v in (
-        PAD_KEY, NAN_KEY + 1, passes.rows * ROW, 0)))
+  start = _Bracket(*(jnp.full_like(like, v) for v in (
+      PAD_KEY, NAN_KEY + 1, passes.rows * ROW, 0)))
 
   def step(carry):
     b, stalls, widen = carry
@@ -483,93 +473,3 @@ def _float_order(keys: jax.Array) -> jax.Array:
   _FILL_KEY become -1.0 and -2.0."""
   return jnp.where(keys < 0, keys.astype(jnp.float32),
                    jax.lax.bitcast_convert_type(keys, jnp.float32))
-
-
-# ----------------------------------------------------------------------------
-# 'bracket': one sampled bracket; no loop in the common case.
-
-
-def bracket_topk_words(scores, num_valid, width: int, k) -> jax.Array:
-  """The 'bracket' selection: a fixed chain of passes, no `while` loop
-  unless the sample misses.
-
-  On a GPU, XLA reads a `while` loop's condition on the host at every
-  iteration, so the 'threshold' search costs a round trip per pass
-  (`docs/benchmarks.md` section 2). Here `BRACKET_SAMPLE` sampled keys place
-  one bracket [lo, hi) around the sample's estimate of T, `BRACKET_Z`
-  standard deviations of a sampled rank wide, and one counting pass gives
-  its exact counts (`_sampled_bracket`). One `lax.switch` then runs one of:
-
-    0. c_lo = k: every key >= lo is taken;
-    1. at most `cap` keys in [lo, hi) (the common case): their offsets are
-       compacted (`jnp.nonzero`, ascending), their keys sorted, T read off
-       at rank k - c_hi and the tie cut found among them;
-    2. T pinned (hi = lo + 1, heavy ties): `_tie_cut`;
-    3. otherwise (the sample missed T): the 'threshold' search, from the
-       bracket.
-
-  and one mask pass emits the words. Chunks of at most `BRACKET_SAMPLE`
-  entries take 'sort'.
-  """
-  c = scores.shape[0]
-  if c <= BRACKET_SAMPLE:
-    return sort_topk_words(scores, num_valid, width, k)
-  passes = _passes(scores, num_valid, use_pallas=False)
-  b, case = _sampled_bracket(passes, scores, num_valid, width, k)
-  every = jnp.full_like(b.lo, passes.rows * ROW)
-  lo, hi, cut = jax.lax.switch(case, [
-      lambda: (b.lo, b.hi, every),
-      lambda: _compacted(scores, num_valid, b, k, _cap(c, width)),
-      lambda: (b.lo, b.hi, _tie_cut(passes, b, k)),
-      lambda: _finish(passes, _search(passes, c, k, b), k),
-  ])
-  return passes.emit(lo, hi, cut)
-
-
-def _cap(c: int, width: int) -> int:
-  """Static room for the keys of a bracket around T, for any k <= width:
-  twice the bracket's expected share of the chunk."""
-  q = min(width / c, 0.5)
-  margin = BRACKET_Z * np.sqrt(BRACKET_SAMPLE * q * (1 - q)) + 3.0
-  return int(min(c, np.ceil(2 * (2 * margin / BRACKET_SAMPLE) * c)))
-
-
-def _sampled_bracket(passes: _Passes, scores, num_valid, width: int, k):
-  """(a bracket of T, the `bracket_topk_words` case to run)."""
-  s = BRACKET_SAMPLE
-  sample = _sample(scores, num_valid, s)
-  p = k.astype(jnp.float32) / scores.shape[0]
-  margin = BRACKET_Z * jnp.sqrt(s * p * (1.0 - p)) + 2.0
-  rank = p * s - 1.0  # T's position in the descending sample
-  hi_at = jnp.floor(rank - margin).astype(jnp.int32)
-  lo_at = jnp.ceil(rank + margin).astype(jnp.int32)
-  hi = jnp.where(hi_at < 0, NAN_KEY + 1, sample[jnp.clip(hi_at, 0, s - 1)] + 1)
-  lo = jnp.where(lo_at >= s, PAD_KEY, sample[jnp.clip(lo_at, 0, s - 1)])
-  c_lo, c_hi = jnp.sum(passes.count(lo, hi), axis=0)
-  every = jnp.full_like(lo, passes.rows * ROW)
-  above, below = c_hi >= k, c_lo < k  # the sample missed: T >= hi, T < lo
-  b = _Bracket(
-      lo=jnp.where(above, hi, jnp.where(below, PAD_KEY, lo)),
-      hi=jnp.where(above, NAN_KEY + 1, jnp.where(below, lo, hi)),
-      c_lo=jnp.where(above, c_hi, jnp.where(below, every, c_lo)),
-      c_hi=jnp.where(above, 0, jnp.where(below, c_lo, c_hi)))
-  cap = _cap(scores.shape[0], width)
-  case = jnp.where(b.c_lo == k, 0, jnp.where(
-      b.c_lo - b.c_hi <= cap, 1, jnp.where(b.hi == b.lo + 1, 2, 3)))
-  return b, case
-
-
-def _compacted(scores, num_valid, b: _Bracket, k, cap: int):
-  """(T, T + 1, tie cut) from the <= cap keys in [lo, hi), compacted."""
-  c = scores.shape[0]
-  inside = _keys(scores, num_valid)
-  inside = (inside >= b.lo) & (inside < b.hi)
-  offsets = jnp.nonzero(inside, size=cap, fill_value=c)[0].astype(jnp.int32)
-  values = scores.at[offsets].get(mode='fill', fill_value=0.0)
-  keys = jnp.where(offsets < num_valid, magnitude_key(values), PAD_KEY)
-  keys = jnp.where(offsets < c, keys, _FILL_KEY)  # ascending offsets
-  need = k - b.c_hi  # T is the need-th largest candidate
-  t = jnp.sort(keys)[cap - need]
-  position, _ = _locate((keys == t).astype(jnp.int32),
-                        need - jnp.sum(keys > t))
-  return t, t + 1, offsets[position] + 1
