@@ -83,6 +83,7 @@ POINTS = [
     ('steps', '1000', {'steps': 1000}, FAITHFUL),
     ('steps', '3000', {'steps': 3000}, FAITHFUL),
     ('model', 'llama-10m', {'model.preset': 'llama-10m'}, FAITHFUL),
+    ('steps', '10000', {'steps': 10000}, FAITHFUL),
 ]
 
 
