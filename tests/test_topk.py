@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from scape_jax.comm import masks, topk
 
@@ -240,3 +242,41 @@ def test_the_search_needs_few_passes(kind, monkeypatch):
   bound = 6  # 2 to 4 counting passes measured at these seeds
   for k in (c // 10, c // 100, 1):
     assert _passes(x, k, monkeypatch) <= bound, (kind, k)
+
+
+
+@pytest.mark.parametrize('varying', ['scores', 'num_valid', 'k'])
+def test_every_select_types_its_words_like_its_inputs_in_shard_map(varying):
+  # Inside shard_map the words vary over the mesh axes of any input, for
+  # every select and width: 'auto' picks its branch per lowering platform,
+  # and the branches must have one type (a chunk above
+  # AUTO_SORT_MAX_WIDTH['cpu'] once failed there: the full-width sort's
+  # scatter into fresh zeros was typed as not varying).
+  c, selects, widths = 2048, ('sort', 'threshold', 'auto'), (2048, 200)
+  data = np.random.default_rng(0).normal(size=8 * c).astype(np.float32)
+
+  def per_worker(xs):
+    worker = jax.lax.axis_index('data')
+    x = xs if varying == 'scores' else jnp.asarray(data[:c])
+    n = c - worker if varying == 'num_valid' else c
+    k = 100 + worker if varying == 'k' else jnp.int32(100)
+    out = []
+    for select in selects:
+      for width in widths:
+        words = topk.chunk_topk_words(x, n, width, k, select=select)
+        assert 'data' in jax.typeof(words).manual_axis_type.varying, (
+            select, width)
+        out.append(words)
+    return jnp.stack(out)[None]
+
+  mesh = jax.make_mesh((8,), ('data',))
+  with jax.set_mesh(mesh):
+    got = jax.jit(jax.shard_map(per_worker, in_specs=P('data'),
+                                out_specs=P('data')))(
+        jax.device_put(jnp.asarray(data), NamedSharding(mesh, P('data'))))
+  for w, words in enumerate(np.asarray(got)):
+    x = data[w * c:(w + 1) * c] if varying == 'scores' else data[:c]
+    n = c - w if varying == 'num_valid' else c
+    k = 100 + w if varying == 'k' else 100
+    for row in words:
+      np.testing.assert_array_equal(row, _numpy_words(x, n, k))

@@ -143,7 +143,10 @@ def sort_topk_words(scores, num_valid, width: int, k) -> jax.Array:
     order = jnp.argsort(-keys, stable=True)  # keys >= -1: no overflow
   else:
     _, order = jax.lax.top_k(topk_mask.as_float_key(keys), width)
-  bits = jnp.zeros((c,), bool).at[order].set(jnp.arange(order.shape[0]) < k)
+  # zeros_like(keys): a scatter into a fresh zeros array is typed with the
+  # zeros' shard_map type, whatever its indices; the keys carry the data's.
+  bits = jnp.zeros_like(keys, bool).at[order].set(
+      jnp.arange(order.shape[0]) < k)
   return _pack(bits)
 
 
@@ -361,8 +364,8 @@ def _search(passes: _Passes, c: int, k) -> _Bracket:
       a ternary split of the key range, so that no input takes more than
       about 60 passes.
   """
-  # full_like: the loop state takes the data's shard_map type.
-  like = passes.sample[0]
+  # full_like: the loop state takes the shard_map type of the data and k.
+  like = passes.sample[0] + 0 * k
   start = _Bracket(*(jnp.full_like(like, v) for v in (
       PAD_KEY, NAN_KEY + 1, passes.rows * ROW, 0)))
 
