@@ -16,6 +16,7 @@ import pytest
 import scape_jax
 from scape_jax.comm import topk
 from scape_jax.kernels import pack_bits, topk_mask, unpack_bits
+from tests.test_topk import _numpy_words
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != 'gpu',
                                 reason='needs a GPU (jax.default_backend())')
@@ -68,17 +69,6 @@ def test_compiled_pack_and_unpack_match_numpy(n, c):
   np.testing.assert_array_equal(np.asarray(words), expected)
   np.testing.assert_array_equal(np.asarray(unpack_bits.unpack_bits(words, c)),
                                 bits)
-
-
-def _numpy_words(x, num_valid, k):
-  """Stable argsort of -key (padding last), packed little-endian."""
-  c = x.size
-  key = np.minimum(np.abs(x).view(np.int32) & 0x7FFFFFFF, topk_mask.NAN_KEY)
-  key = key.astype(np.int64)
-  key[np.arange(c) >= num_valid] = -1
-  bits = np.zeros(-(-c // 32) * 32, bool)
-  bits[np.argsort(-key, kind='stable')[:k]] = True
-  return np.packbits(bits, bitorder='little').view('<u4')
 
 
 @pytest.mark.parametrize('select', ['sort', 'threshold', 'pallas', 'auto'])
