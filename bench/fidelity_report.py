@@ -15,6 +15,7 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
 
 import fidelity  # noqa: E402
+import fidelity_horizon  # noqa: E402
 from fidelity_variants import TARGETS  # noqa: E402
 from fidelity_variants import targets_text  # noqa: E402
 from fidelity_variants import variant_text  # noqa: E402
@@ -488,6 +489,8 @@ def write(out: str) -> None:
   plot_gaps(grid, os.path.join(PLOTS, 'fidelity_gaps.png'))
   fig3 = plot_figure3(out, os.path.join(PLOTS, 'fidelity_figure3.png'))
   fig6 = plot_figure6(out, os.path.join(PLOTS, 'fidelity_figure6.png'))
+  horizon = fidelity_horizon.plot_horizon(
+      grid, os.path.join(PLOTS, 'fidelity_horizon.png'), _save)
   expected = len(fidelity.grid_runs())
   done = sum(len(s) for m in grid.values() for s in m.values())
   lines = ['## Fidelity: where SCAPE matches AdamS', '',
@@ -516,7 +519,17 @@ def write(out: str) -> None:
             'per seed, s0 = seed 0):', '']
   lines += targets_text(grid)
   lines += ['', '![gap per axis](bench/fidelity_gaps.png)', '']
-  lines += missing_text(out)
+  lines += ['**The gap over training** (the `steps` points and the base: '
+            'faithful SCAPE\'s train loss against AdamS\'s on the same '
+            'seed, hence the same batches, as a running mean over 15 '
+            'logged points; every run decays its learning rate by a cosine '
+            'to its own last step, so step 300 of a 3000-step run is not '
+            'the end of the 300-step run):', '',
+            '![gap over training](bench/fidelity_horizon.png)', '']
+  lines += fidelity_horizon.epochs_text(
+      grid, os.path.join(fidelity.ROOT, 'data', 'shakespeare-byte'), 32 * 128)
+  lines += [''] + horizon
+  lines += [''] + missing_text(out)
   lines += ['', '### How far can sparse updates go? The oracle', '']
   lines += oracle_text(out, grid)
   lines += ['', '### Figure 3 at small scale', '',

@@ -142,3 +142,25 @@ def test_grid_keys_share_identical_runs_and_every_point_has_adams():
       'name=scape,density=0.01,variant=faithful,seed=1')
   for axis, value, _, names in fidelity.POINTS:
     assert 'AdamS' in names and len(fidelity.SEEDS) == 2, (axis, value)
+
+
+def test_horizon_gaps_compare_each_run_with_adams_on_its_seed(tmp_path):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import fidelity_horizon  # pylint: disable=g-import-not-at-top
+  steps = np.arange(1, 401, 10)
+  adams = {s: {'curve': [(int(t), 2.0 + s) for t in steps], 'steps': 400}
+           for s in (0, 1)}
+  scape = {s: {'curve': [(int(t), (2.0 + s) * (1.5 - t / 800))
+                         for t in steps], 'steps': 400} for s in (0, 1)}
+  grid = {('steps', '400'): {'AdamS': adams, 'SCAPE d=0.1': scape}}
+  gaps = fidelity_horizon.horizon_gaps(grid)
+  assert sorted(gaps) == [(400, 'SCAPE d=0.1', 0), (400, 'SCAPE d=0.1', 1)]
+  for pts in gaps.values():  # a running mean of a line is the line
+    for t, g in pts:
+      np.testing.assert_allclose(g, 0.5 - t / 800, atol=1e-9)
+  saved = []
+  table = fidelity_horizon.plot_horizon(
+      grid, str(tmp_path / 'h.png'), lambda fig, path: saved.append(path))
+  assert saved and table[2].startswith('| 400 steps | 0 | SCAPE d=0.1 | ')
+  assert f'{100 * (0.5 - 301 / 800):+.1f}%' in table[2]
