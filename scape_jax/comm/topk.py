@@ -51,7 +51,7 @@ from scape_jax.kernels.topk_mask import NAN_KEY, PAD_KEY, ROW, magnitude_key
 
 SELECTS = ('auto', 'sort', 'threshold', 'pallas')
 # The default per lowering platform ('auto'), by measurement where there is
-# one (docs/benchmarks.md, section 2): on an H100 the sort is 2.5x faster
+# one (docs/benchmarks.md, section 2): on an H100 the sort is 2.6x faster
 # than the search, whose while loops wait on the host at every pass; rocm
 # runs XLA's GPU runtime too (not measured); tpu: not measured.
 AUTO_SELECT = {'cpu': 'threshold', 'cuda': 'sort', 'rocm': 'sort',
