@@ -82,13 +82,15 @@ def epochs_text(grid: dict, corpus: str, tokens_per_step: int) -> list:
     return []
   tokens = os.path.getsize(path) // 2  # uint16 tokens
   parts = []
-  for (axis, value), runs in sorted(grid.items()):
+  points = sorted(((int(value), runs) for (axis, value), runs in grid.items()
+                   if axis == 'steps'), key=lambda point: point[0])
+  for value, runs in points:
     adams = runs.get('AdamS', {})
-    if axis != 'steps' or not adams:
+    if not adams:
       continue
     run = adams[min(adams)]
-    parts.append(f'{value} steps: {int(value) * tokens_per_step / tokens:.1f} '
-                 f'epochs (AdamS, seed {min(adams)}: last train loss '
+    parts.append(f'{value} steps: {value * tokens_per_step / tokens:.1f} '
+                 f'epochs (AdamS, seed {min(adams)}: last logged train loss '
                  f'{run["final_loss"]:.3f}, eval {run["eval_loss"]:.3f})')
   return [f'The training split holds {tokens:,} tokens: one epoch is '
           f'{tokens / tokens_per_step:,.0f} steps of {tokens_per_step} '
