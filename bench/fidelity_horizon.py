@@ -8,7 +8,12 @@ import os
 import matplotlib.pyplot as plt
 import numpy as np
 
-HORIZON_AT = (300, 1000, 3000, 10000)  # steps the horizon table reads
+import fidelity
+
+# The steps the horizon table reads: the base run's 300, then each `steps`
+# point of the grid.
+HORIZON_AT = (300,) + tuple(int(value) for axis, value, _, _ in fidelity.POINTS
+                            if axis == 'steps')
 
 
 def horizon_gaps(grid: dict) -> dict:

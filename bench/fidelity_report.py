@@ -20,6 +20,7 @@ from fidelity_variants import TARGETS  # noqa: E402
 from fidelity_variants import targets_text  # noqa: E402
 from fidelity_variants import variant_text  # noqa: E402
 import results_md  # noqa: E402
+from scape_jax.train import config as config_lib  # noqa: E402
 
 DOC = 'docs/results.md'
 PLOTS = 'docs/bench'
@@ -526,8 +527,10 @@ def write(out: str) -> None:
             'to its own last step, so step 300 of a 3000-step run is not '
             'the end of the 300-step run):', '',
             '![gap over training](bench/fidelity_horizon.png)', '']
+  data = config_lib.load(os.path.join(fidelity.ROOT, fidelity.CONFIG)).data
   lines += fidelity_horizon.epochs_text(
-      grid, os.path.join(fidelity.ROOT, 'data', 'shakespeare-byte'), 32 * 128)
+      grid, os.path.join(fidelity.ROOT, 'data', 'shakespeare-byte'),
+      data.batch_size * data.seq_len)
   lines += [''] + horizon
   lines += [''] + missing_text(out)
   lines += ['', '### How far can sparse updates go? The oracle', '']

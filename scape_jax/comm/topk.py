@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scape_jax.kernels import topk_mask
+from scape_jax.kernels._common import same_varying
 from scape_jax.kernels.topk_mask import NAN_KEY, PAD_KEY, ROW, magnitude_key
 
 SELECTS = ('auto', 'sort', 'threshold', 'pallas')
@@ -365,7 +366,7 @@ def _search(passes: _Passes, c: int, k) -> _Bracket:
       about 60 passes.
   """
   # full_like: the loop state takes the shard_map type of the data and k.
-  like = passes.sample[0] + 0 * k
+  like, _ = same_varying(passes.sample[0], k)
   start = _Bracket(*(jnp.full_like(like, v) for v in (
       PAD_KEY, NAN_KEY + 1, passes.rows * ROW, 0)))
 
