@@ -240,21 +240,39 @@ def figure_runs() -> list:
                    {'register_topk': [kwargs], 'log_every': 5}))
   runs.append(('fig6_overlap_adams', {'optimizer.name': 'overlap_adams',
                                       'steps': FIG6_STEPS}, {'log_every': 1}))
-  for b2 in (0.95, 0.999):
-    for seed in SEEDS:
-      for density in (0.1, 0.01):
-        kwargs = dict(base='adams', stage='update', density=density,
-                      warmup_steps=50)
-        name = f'topk{density:g}_update_adams_warmup50'
-        runs.append((oracle_key(density, b2, seed),
-                     {'optimizer.name': name, 'optimizer.b2': b2,
-                      'seed': seed},
-                     {'register_topk': [kwargs]}))
+  for alt in ORACLES:
+    for b2 in ((0.95, 0.999) if alt == 'pending' else (0.95,)):
+      for seed in SEEDS:
+        for density in (0.1, 0.01):
+          kwargs = dict(base='adams', stage='update', density=density,
+                        warmup_steps=50, **ORACLES[alt])
+          runs.append((oracle_key(density, b2, seed, alt),
+                       {'optimizer.name': oracle_method(density, alt),
+                        'optimizer.b2': b2, 'seed': seed},
+                       {'register_topk': [kwargs]}))
   return runs
 
 
-def oracle_key(density: float, b2: float, seed: int) -> str:
-  return f'oracle_d{density}_b2{b2}' + (f'_seed{seed}' if seed else '')
+# The oracle ('pending') and the variations that test what it assumes: which
+# k coordinates move ('current': the largest of this step's AdamS update
+# alone; 'random') and how far (x2: twice the pending update).
+ORACLES = {'pending': {}, 'current': {'rule': 'current'},
+           'random': {'rule': 'random'}, 'x2': {'step_scale': 2.0}}
+
+
+def oracle_method(density: float, alt: str = 'pending') -> str:
+  """The name `fidelity_tools.register_topk` gives oracle `alt` (tested),
+  without importing jax here."""
+  extra = ORACLES[alt]
+  return (f'topk{density:g}_update_adams_warmup50' +
+          (f'_{extra["rule"]}' if 'rule' in extra else '') +
+          (f'_x{extra["step_scale"]:g}' if 'step_scale' in extra else ''))
+
+
+def oracle_key(density: float, b2: float, seed: int,
+               alt: str = 'pending') -> str:
+  return ('oracle' + ('' if alt == 'pending' else f'-{alt}') +
+          f'_d{density}_b2{b2}' + (f'_seed{seed}' if seed else ''))
 
 
 def figures(out: str, hours: float, only: str) -> None:

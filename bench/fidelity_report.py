@@ -296,7 +296,7 @@ def oracle_table(out: str, grid: dict) -> list:
   adams = {'0.95': grid.get(('base', ''), {}).get('AdamS', {}),
            '0.999': grid.get(('b2', '0.999'), {}).get('AdamS', {})}
   for key, overrides, _ in fidelity.figure_runs():
-    if not key.startswith('oracle'):
+    if not key.startswith('oracle_'):
       continue
     result = _load(out, key)
     b2 = str(overrides.get('optimizer.b2', 0.95))
@@ -377,6 +377,49 @@ def oracle_text(out: str, grid: dict) -> list:
       'measured reason that no variant in that family reaches it.', '']
   lines += oracle_table(out, grid)
   lines += [''] + oracle_verdict(out, grid)
+  lines += [''] + oracle_variations(out, grid)
+  return lines
+
+
+def oracle_variations(out: str, grid: dict) -> list:
+  """The oracle against itself with another choice of coordinates or
+  another step size (b2 = 0.95): tests of assumptions (b) and (c)."""
+  adams = grid.get(('base', ''), {}).get('AdamS', {})
+  lines = [
+      '**Testing (b) and (c).** The same oracle at b2 = 0.95 with another '
+      'choice of the k coordinates that move, or another step size '
+      '(`ORACLES` in `bench/fidelity.py`): `current` moves the k largest of '
+      'this step\'s AdamS update alone (their pending update), `random` k '
+      'coordinates drawn uniformly each step, `x2` twice the pending update '
+      'at the oracle\'s own choice. Eval loss vs AdamS (same seed), and '
+      'minus the oracle\'s gap (points; negative: closer to AdamS than the '
+      'oracle):', '',
+      '| variation | density | seed | eval loss | vs AdamS | minus the oracle |',
+      '|---|---|---|---|---|---|']
+  beaten = []
+  for alt in fidelity.ORACLES:
+    if alt == 'pending':
+      continue
+    for seed in fidelity.SEEDS:
+      for density in (0.1, 0.01):
+        result = _load(out, fidelity.oracle_key(density, 0.95, seed, alt))
+        ref = _load(out, fidelity.oracle_key(density, 0.95, seed))
+        base = adams.get(seed)
+        if result is None or base is None:
+          lines.append(f'| {alt} | {density} | {seed} | not run | | |')
+          continue
+        gap = result['eval_loss'] / base['eval_loss'] - 1
+        vs = '-'
+        if ref is not None:
+          delta = 100 * (gap - (ref['eval_loss'] / base['eval_loss'] - 1))
+          vs = f'{delta:+.1f}'
+          if delta < 0:
+            beaten.append(f'{alt} d={density} s{seed} ({delta:+.1f})')
+        lines.append(f'| {alt} | {density} | {seed} | '
+                     f'{result["eval_loss"]:.3f} | {100 * gap:+.1f}% | {vs} |')
+  lines += ['', ('No variation is closer to AdamS than the oracle in any run.'
+                 if not beaten else 'Closer to AdamS than the oracle: '
+                 + '; '.join(beaten) + '.')]
   return lines
 
 
@@ -387,7 +430,7 @@ def oracle_verdict(out: str, grid: dict) -> list:
   found = {}
   for key, overrides, _ in fidelity.figure_runs():
     result = _load(out, key)
-    if not key.startswith('oracle') or result is None:
+    if not key.startswith('oracle_') or result is None:
       continue
     b2, seed = overrides['optimizer.b2'], overrides.get('seed', 0)
     density = float(key.split('_d')[1].split('_')[0])

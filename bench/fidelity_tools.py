@@ -70,9 +70,14 @@ class TopKErrorFeedbackState(NamedTuple):
   residual: optax.Updates  # e: gradient not applied yet; zeros while dense.
   sent_norm: jax.Array  # ||TopK(g + e)|| of the last step (||g|| while dense).
   residual_norm: jax.Array  # ||e|| after the last step.
+  count: jax.Array  # updates so far (seeds rule='random')
 
 
-def topk_error_feedback() -> optax.GradientTransformationExtraArgs:
+RULES = ('pending', 'current', 'random')
+
+
+def topk_error_feedback(rule: str = 'pending', step_scale: float = 1.0
+                        ) -> optax.GradientTransformationExtraArgs:
   """Keeps the top `density` of |g + e| per leaf; the rest waits in e.
 
   `update(..., density=d)` takes the density in force as a static keyword:
@@ -82,6 +87,13 @@ def topk_error_feedback() -> optax.GradientTransformationExtraArgs:
   through. Put it after the mean gradient to sparsify gradients (Figure 3),
   or after an optimizer's direction to sparsify updates.
 
+  Args:
+    rule: which k entries are sent (`RULES`): 'pending' the largest |g + e|
+      (the default, above); 'current' the largest |g|, this step's input
+      alone; 'random' k drawn uniformly, anew each step. Either way the
+      entries sent carry g + e and leave nothing in e.
+    step_scale: the entries sent are multiplied by this (1: as they are).
+
   Returns:
     An `optax.GradientTransformationExtraArgs`.
 
@@ -89,13 +101,15 @@ def topk_error_feedback() -> optax.GradientTransformationExtraArgs:
     Seide et al. 2014 and Stich et al. 2018 (error feedback); SCAPE paper,
     Section II-B and Figure 3.
   """
+  if rule not in RULES:
+    raise ValueError(f'topk_error_feedback: rule={rule!r}; allowed: {RULES}.')
 
   def init_fn(params):
     zero = jnp.zeros([], jnp.float32)
     return TopKErrorFeedbackState(
         residual=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32),
                               params),
-        sent_norm=zero, residual_norm=zero)
+        sent_norm=zero, residual_norm=zero, count=jnp.zeros([], jnp.int32))
 
   def update_fn(updates, state, params=None, *, density: float = 1.0,
                 **extra):
@@ -108,8 +122,12 @@ def topk_error_feedback() -> optax.GradientTransformationExtraArgs:
       for j, (g, e) in enumerate(zip(grads, residual)):
         acc = g + e
         if _compressed(g):
-          keep = _topk_bits(acc, _k(density, g.size))
-          sent.append(jnp.where(keep, acc, 0.0))
+          score = {'pending': acc, 'current': g}.get(rule)
+          if score is None:  # 'random'
+            key = jax.random.fold_in(jax.random.key(j), state.count)
+            score = jax.random.uniform(key, g.shape)
+          keep = _topk_bits(score, _k(density, g.size))
+          sent.append(jnp.where(keep, step_scale * acc, 0.0))
           residual[j] = jnp.where(keep, 0.0, acc)
         else:
           sent.append(acc)
@@ -120,7 +138,8 @@ def topk_error_feedback() -> optax.GradientTransformationExtraArgs:
     out = [s.astype(u.dtype) for s, u in zip(sent, jax.tree.leaves(updates))]
     return treedef.unflatten(out), TopKErrorFeedbackState(
         residual=treedef.unflatten(residual), sent_norm=_norm(sent),
-        residual_norm=_norm(residual))
+        residual_norm=_norm(residual),
+        count=optax.safe_increment(state.count))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -388,7 +407,8 @@ def _topk_stats(opt_state) -> dict:
 
 def register_topk(base: str, stage: str, density: float, *,
                   switch_step: Optional[int] = None,
-                  warmup_steps: Optional[int] = None) -> str:
+                  warmup_steps: Optional[int] = None, rule: str = 'pending',
+                  step_scale: float = 1.0) -> str:
   """Registers `base` (adamw|adams) with top-k error feedback; returns its name.
 
   stage='gradient' (Figure 3): mean gradient -> `topk_error_feedback` ->
@@ -399,12 +419,22 @@ def register_topk(base: str, stage: str, density: float, *,
 
   The density is 1 before `switch_step` updates and `density` from then on,
   or, with `warmup_steps`, SCAPE's `DensitySchedule(density, warmup_steps)`.
+  `rule` and `step_scale` (stage='update' only) are `topk_error_feedback`'s:
+  the oracle's choice of coordinates and the size of their steps, varied to
+  test what the oracle assumes.
   """
+  if stage != 'update' and (rule, step_scale) != ('pending', 1.0):
+    raise ValueError(f'register_topk: rule={rule!r}, step_scale={step_scale}'
+                     " are for stage='update' only.")
   if (switch_step is None) == (warmup_steps is None):
     raise ValueError('give exactly one of switch_step and warmup_steps')
   when = (f'from{switch_step}' if warmup_steps is None else
           f'warmup{warmup_steps}')
   name = f'topk{density:g}_{stage}_{base}_{when}'
+  if rule != 'pending':
+    name += f'_{rule}'
+  if step_scale != 1.0:
+    name += f'_x{step_scale:g}'
   if name in methods.REGISTRY:
     return name
   if warmup_steps is None:
@@ -416,7 +446,7 @@ def register_topk(base: str, stage: str, density: float, *,
   def build(cfg, section, lr, ctx):
     del section
     mean, clip = _dense_prefix(cfg, ctx)
-    sparsify = [topk_error_feedback()]
+    sparsify = [topk_error_feedback(rule, step_scale)]
     scale = [optax.add_decayed_weights(cfg.weight_decay),
              optax.scale_by_learning_rate(lr)]
     if base == 'adamw':

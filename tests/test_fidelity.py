@@ -73,6 +73,61 @@ def test_topk_error_feedback_matches_numpy():
   assert float(state.residual_norm) > 0
 
 
+@pytest.mark.parametrize('rule,step_scale', [('current', 1.0),
+                                             ('pending', 2.0)])
+def test_topk_error_feedback_rules_match_numpy(rule, step_scale):
+  """'current' picks the k largest |g| of this step, then sends g + e there;
+  step_scale multiplies what is sent, never the residual."""
+  shapes = {'w': (12, 9), 'b': (9,)}
+  seq = [_tree(s, shapes) for s in range(5)]
+  tx = ft.topk_error_feedback(rule, step_scale)
+  state = tx.init(seq[0])
+  step = jax.jit(tx.update, static_argnames='density')
+  e = np.zeros(shapes['w'], np.float32)
+  for g in seq:
+    got, state = step(g, state, density=0.2)
+    acc = g['w'] + e
+    score = g['w'] if rule == 'current' else acc
+    order = np.argsort(-np.abs(score).reshape(-1), kind='stable')
+    keep = np.zeros(acc.size, bool)
+    keep[order[:k_of(0.2, acc.size)]] = True
+    keep = keep.reshape(acc.shape)
+    e = np.where(keep, 0, acc)
+    np.testing.assert_allclose(got['w'], np.where(keep, step_scale * acc, 0),
+                               rtol=1e-6)
+    np.testing.assert_allclose(state.residual['w'], e, rtol=1e-6)
+    np.testing.assert_allclose(got['b'], g['b'], rtol=1e-6)
+
+
+def test_topk_error_feedback_random_rule_sends_k_fresh_draws():
+  shapes = {'w': (30, 20)}
+  tx = ft.topk_error_feedback('random')
+  g = _tree(0, shapes)
+  state = tx.init(g)
+  step = jax.jit(tx.update, static_argnames='density')
+  sent, e = [], np.zeros(shapes['w'], np.float32)
+  for _ in range(3):
+    out, state = step(g, state, density=0.1)
+    keep = np.asarray(out['w']) != 0
+    assert keep.sum() == k_of(0.1, 600)
+    acc = g['w'] + e
+    np.testing.assert_allclose(out['w'][keep], acc[keep], rtol=1e-6)
+    e = np.where(keep, 0, acc)
+    np.testing.assert_allclose(state.residual['w'], e, rtol=1e-6)
+    sent.append(keep)
+  assert not np.array_equal(sent[0], sent[1])  # a new draw each step
+  with pytest.raises(ValueError, match="rule='best'.*allowed"):
+    ft.topk_error_feedback('best')
+
+
+def test_oracle_names_match_the_registry():
+  import fidelity  # pylint: disable=g-import-not-at-top
+  for alt, extra in fidelity.ORACLES.items():
+    for density in (0.1, 0.01):
+      assert fidelity.oracle_method(density, alt) == ft.register_topk(
+          'adams', 'update', density, warmup_steps=50, **extra)
+
+
 def test_first_moment_overlap_counts_shared_topk():
   shapes = {'w': (10, 10), 'b': (10,)}
   tx = ft.first_moment_overlap(scape_jax.scale_by_adams(), density=0.1)
