@@ -173,39 +173,66 @@ def nbytes(tree) -> int:
              if hasattr(x, 'dtype'))
 
 
-def prepare(method: Method, params, grads):
-  """(compiled timed update, its steady state, compile seconds, temp bytes)."""
+class Prepared(NamedTuple):
+  """A compiled update ready to time. With `donated`, `fn` consumes the
+  state it is given: each call must get the state of the call before."""
+  fn: object
+  state: object
+  compile_s: float
+  temp_bytes: int
+  donated: bool = False
+
+
+def prepare(method: Method, params, grads, donate: bool = False) -> Prepared:
+  """The compiled update in its steady state, warmed up. `donate`: the state
+  argument is donated (`donate_argnums`), as the trainer's step donates it."""
   state = jax.jit(method.tx.init)(params)
   if method.first_kwargs:  # The dense first step: the mask is a real top-k.
     first = functools.partial(method.tx.update, **method.first_kwargs)
     _, state = jax.jit(first)(grads, state, params)
   t0 = time.perf_counter()
-  fn = jax.jit(functools.partial(method.tx.update, **method.kwargs)).lower(
-      grads, state, params).compile()
+  fn = jax.jit(functools.partial(method.tx.update, **method.kwargs),
+               donate_argnums=(1,) if donate else ()).lower(
+                   grads, state, params).compile()
   temps = fn.memory_analysis().temp_size_in_bytes
-  jax.block_until_ready(fn(grads, state, params))  # Warm up.
+  state = _call(fn, state, grads, params, donate)  # Warm up.
   compile_s = time.perf_counter() - t0
   if compile_s < 5:  # A second warm-up call where it is cheap.
-    jax.block_until_ready(fn(grads, state, params))
-  return fn, state, compile_s, temps
+    state = _call(fn, state, grads, params, donate)
+  return Prepared(fn, state, compile_s, temps, donate)
+
+
+def _call(fn, state, grads, params, donated: bool):
+  """One finished update; the state to pass to the next call."""
+  out = jax.block_until_ready(fn(grads, state, params))
+  return out[1] if donated else state
 
 
 def interleaved_times(prepared: dict, grads, params, repeats: int,
                       number: int) -> dict:
-  """label -> seconds per call, `repeats` samples, methods interleaved."""
+  """label -> seconds per call, `repeats` samples, methods interleaved.
+  Donated updates are chained (each call gets the last call's state); the
+  final states are left in `prepared`."""
   times = {label: [] for label in prepared}
   for _ in range(repeats):  # A B C ... A B C ...
-    for label, (fn, state, _, _) in prepared.items():
+    for label, p in prepared.items():
+      state = p.state
       t0 = time.perf_counter()
       for _ in range(number):
-        out = fn(grads, state, params)
+        out = p.fn(grads, state, params)
+        state = out[1] if p.donated else state
       jax.block_until_ready(out)
       times[label].append((time.perf_counter() - t0) / number)
+      prepared[label] = p._replace(state=state)
+      del out
   return times
 
 
+DONATED = ' (state donated)'
+
+
 def bench_tree(name: str, densities, repeats=None, number=None,
-               selects=('auto',)) -> list:
+               selects=('auto',), donate=False) -> list:
   """Times every method on one tree; returns one row per method.
 
   Small trees (< 10M parameters) take 21 samples of 20 calls each, large ones
@@ -214,7 +241,9 @@ def bench_tree(name: str, densities, repeats=None, number=None,
   alone (SELECTIONS) at N=1 (what the update does here) and at N=32 (one
   worker's 1/32 chunk of every leaf), and the temporaries of the same update
   with select='sort' (lax.top_k, the selection before issue 9); rows with
-  another select get the time of that select alone.
+  another select get the time of that select alone. `donate`: every method
+  is also timed with its state donated (label + DONATED; ratios to adamw's
+  donated update), interleaved with the rest.
   """
   params, grads = param_tree(name)
   n_params = sum(x.size for x in jax.tree.leaves(params))
@@ -223,12 +252,17 @@ def bench_tree(name: str, densities, repeats=None, number=None,
   number = number or (20 if small else 1)
   table = methods(densities, selects)
   prepared = {label: prepare(m, params, grads) for label, m in table.items()}
+  if donate:
+    table.update({label + DONATED: m for label, m in list(table.items())})
+    prepared.update({label: prepare(table[label], params, grads, True)
+                     for label in table if label.endswith(DONATED)})
   times = interleaved_times(prepared, grads, params, repeats, number)
-  base = statistics.median(times['optax.adamw'])
-  fastest = min(times['optax.adamw'])
   rows = []
   for label, ts in times.items():
-    method, (_, state, compile_s, temps) = table[label], prepared[label]
+    method, p = table[label], prepared[label]
+    state, compile_s, temps = p.state, p.compile_s, p.temp_bytes
+    adamw = times['optax.adamw' + (DONATED if p.donated else '')]
+    base, fastest = statistics.median(adamw), min(adamw)
     med = statistics.median(ts)
     q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [med, med, med]
     row = {
@@ -241,7 +275,9 @@ def bench_tree(name: str, densities, repeats=None, number=None,
         'temp_vs_fp32_tree': temps / (4 * n_params), 'temp_bytes_sort': None,
         'compile_s': compile_s, 'select_N32_vs_adamw': None}
     row.update({f'{how}_ms_N{n}': None for how in SELECTIONS for n in (1, 32)})
-    if method.density is not None and method.density < 1 and (
+    if p.donated:
+      pass  # the selection and the temporaries are the plain row's
+    elif method.density is not None and method.density < 1 and (
         method.select == 'auto'):
       row['temp_bytes_sort'] = temp_bytes(scape(method.density, 'sort'),
                                           method.kwargs, params, grads)
@@ -318,6 +354,9 @@ def main(argv=None):
                  choices=topk.SELECTS,
                  help="SCAPE's select values to time (default: auto; 'sort' "
                  "is lax.top_k, slow at N=1; 'pallas' interprets on CPU)")
+  p.add_argument('--donate', action='store_true',
+                 help='also time every update with its state donated, as '
+                 "the trainer's step runs it (rows '... (state donated)')")
   p.add_argument('--quick', action='store_true',
                  help='a smoke run: llama-tiny only, 3 samples of 2 calls')
   p.add_argument('--out', default=None,
@@ -334,7 +373,7 @@ def main(argv=None):
   rows = []
   for name in args.trees:
     rows += bench_tree(name, args.densities, args.repeats, args.number,
-                       args.selects)
+                       args.selects, args.donate)
   elapsed = time.perf_counter() - t0
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, 'optimizer_overhead.csv'), 'w',

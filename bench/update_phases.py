@@ -112,11 +112,11 @@ def main(argv=None):
   label = f'scape d={args.density:g}'
   adamw = overhead.prepare(table['optax.adamw'], params, grads)
   scape = overhead.prepare(table[label], params, grads)
-  timed = {'optax.adamw (whole update)': lambda: adamw[0](grads, adamw[1],
+  timed = {'optax.adamw (whole update)': lambda: adamw.fn(grads, adamw.state,
                                                           params),
-           f'{label} (whole update)': lambda: scape[0](grads, scape[1],
+           f'{label} (whole update)': lambda: scape.fn(grads, scape.state,
                                                        params)}
-  timed.update(phases(params, grads, scape[1][0], args.density))
+  timed.update(phases(params, grads, scape.state[0], args.density))
   for fn in timed.values():  # Compile and warm up.
     jax.block_until_ready(fn())
   times = {k: [] for k in timed}

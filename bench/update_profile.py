@@ -40,7 +40,8 @@ def profile(tree: str, label: str, calls: int, out: str) -> list:
   table = oo.methods([density], (select,))
   if label not in table:
     raise SystemExit(f'--method {label!r}; allowed: {sorted(table)}')
-  fn, state, _, _ = oo.prepare(table[label], params, grads)
+  prepared = oo.prepare(table[label], params, grads)
+  fn, state = prepared.fn, prepared.state
   with tempfile.TemporaryDirectory() as tmp:
     with jax.profiler.trace(tmp, create_perfetto_trace=True):
       for _ in range(calls):
