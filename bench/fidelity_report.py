@@ -396,7 +396,7 @@ def oracle_variations(out: str, grid: dict) -> list:
       'oracle):', '',
       '| variation | density | seed | eval loss | vs AdamS | minus the oracle |',
       '|---|---|---|---|---|---|']
-  beaten = []
+  beaten, compared = [], 0
   for alt in fidelity.ORACLES:
     if alt == 'pending':
       continue
@@ -412,14 +412,16 @@ def oracle_variations(out: str, grid: dict) -> list:
         vs = '-'
         if ref is not None:
           delta = 100 * (gap - (ref['eval_loss'] / base['eval_loss'] - 1))
-          vs = f'{delta:+.1f}'
+          vs, compared = f'{delta:+.1f}', compared + 1
           if delta < 0:
             beaten.append(f'{alt} d={density} s{seed} ({delta:+.1f})')
         lines.append(f'| {alt} | {density} | {seed} | '
                      f'{result["eval_loss"]:.3f} | {100 * gap:+.1f}% | {vs} |')
-  lines += ['', ('No variation is closer to AdamS than the oracle in any run.'
-                 if not beaten else 'Closer to AdamS than the oracle: '
-                 + '; '.join(beaten) + '.')]
+  if compared:
+    lines += ['', (f'No variation is closer to AdamS than the oracle in any '
+                   f'of the {compared} runs.' if not beaten else
+                   f'Closer to AdamS than the oracle ({len(beaten)} of '
+                   f'{compared} runs): ' + '; '.join(beaten) + '.')]
   return lines
 
 

@@ -92,6 +92,20 @@ def test_sort_path_equals_the_mask_reference_and_its_top_k_width():
       np.testing.assert_array_equal(np.asarray(got), expected)
 
 
+@pytest.mark.parametrize('kind', ['equal', 'quantised', 'zeros'])
+def test_sort_below_full_width_cuts_ties_at_the_kth_offset(kind):
+  """lax.top_k (width < c) with ties straddling the k-th key: the bits are
+  the keys above it and the ties at it up to the k-th's offset."""
+  x = _data(kind, 1000, np.random.default_rng(1))
+  for num_valid in (1000, 700):
+    for k in (1, 37, 200):
+      got = _selector('sort', 200)(jnp.asarray(x), jnp.int32(num_valid),
+                                   jnp.int32(k))
+      np.testing.assert_array_equal(np.asarray(got),
+                                    _numpy_words(x, num_valid, k),
+                                    err_msg=f'{kind} n={num_valid} k={k}')
+
+
 def test_nan_and_inf_rank_above_every_finite_value():
   # Documented order: NaN (any sign or payload) > +-inf > finite, by |x|;
   # ties (NaN with NaN, -inf with +inf) to the lower offset.

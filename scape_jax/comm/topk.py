@@ -144,11 +144,16 @@ def sort_topk_words(scores, num_valid, width: int, k) -> jax.Array:
     order = jnp.argsort(-keys, stable=True)  # keys >= -1: no overflow
   else:
     _, order = jax.lax.top_k(topk_mask.as_float_key(keys), width)
-  # zeros_like(keys): a scatter into a fresh zeros array is typed with the
-  # zeros' shard_map type, whatever its indices; the keys carry the data's.
-  bits = jnp.zeros_like(keys, bool).at[order].set(
-      jnp.arange(order.shape[0]) < k)
-  return _pack(bits)
+  # Both orders put ties at the lower offset first, so the first k are the
+  # keys above T = the k-th key and the ties at T up to the k-th's offset:
+  # one compare per entry (fused with the packing), no scatter of k bits.
+  # The barrier keeps `order` whole: with one entry of it read, XLA:CPU
+  # compiled the top-k into a far slower program.
+  order = jax.lax.optimization_barrier(order)
+  last = order[k - 1]
+  t = keys[last]
+  index = jnp.arange(c, dtype=order.dtype)
+  return _pack((keys > t) | ((keys == t) & (index <= last)))
 
 
 def _keys(scores, num_valid):
