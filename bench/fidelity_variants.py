@@ -63,6 +63,9 @@ VARIANT_NOTES = {  # what each variant changes (docs/design.md has more)
     'stale': 'scales the step of a coordinate in M by the steps s since it '
              'last took one, at most 1/d (outside the oracle\'s assumption '
              '(b) below: a selected step is no longer AdamS-sized)',
+    'local': 'lets the residual decay like a first moment (e = b1 m~ outside '
+             'M), so the mask is the top-k of each worker\'s local first '
+             'moment and bbar at M is AdamS\'s dense first moment',
 }
 
 

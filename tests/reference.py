@@ -46,12 +46,15 @@ class ScapeReference:
   variant='stale' (docs/design.md, "Variant stale"): Algorithm 1 whose step
   at a coordinate of the mask is scaled by min(s, 1/density), s the steps
   since that coordinate last took one.
+
+  variant='local' (docs/design.md, "Variant local"): each worker's residual
+  outside the mask is b1 m~ instead of m~.
   """
 
   def __init__(self, params, compressed, n, *, density, lr_fn, b1=0.9,
                b2=0.95, eps=1e-8, wd=0.1, clip=None, variant='faithful'):
     assert variant in ('faithful', 'fresh', 'carry', 'carry_v',
-                       'carry_vi', 'stale'), variant
+                       'carry_vi', 'stale', 'local'), variant
     self.variant = variant
     self.n, self.density, self.lr_fn = n, density, lr_fn
     self.b1, self.b2, self.eps, self.wd, self.clip = b1, b2, eps, wd, clip
@@ -142,7 +145,8 @@ class ScapeReference:
     payloads = []
     for n in range(self.n):
       payloads.append(np.where(in_m, mts[n][j], 0).astype(np.float32))
-      self.e[n][j] = np.where(in_m, 0, mts[n][j]).astype(np.float32)
+      kept = self.b1 * mts[n][j] if self.variant == 'local' else mts[n][j]
+      self.e[n][j] = np.where(in_m, 0, kept).astype(np.float32)
     return np.mean(np.stack(payloads), axis=0, dtype=np.float32)
 
   def chunk_mask(self, j, n):

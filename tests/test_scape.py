@@ -95,7 +95,8 @@ def test_density_one_equals_adams_on_mean_gradient():
                                              (0.1, 'carry'),
                                              (0.01, 'carry_v'),
                                              (0.1, 'carry_vi'),
-                                             (0.1, 'stale')])
+                                             (0.1, 'stale'),
+                                             (0.01, 'local')])
 def test_matches_numpy_simulation_of_algorithm_1(density, variant):
   params = _params()
   n, steps, clip = 8, 20, 2.0
@@ -146,11 +147,38 @@ def test_matches_numpy_simulation_of_algorithm_1(density, variant):
   assert float(jnp.mean(st.residual_norm)) > 0
   assert clipped > steps // 2
   assert (stale > 0) == (variant == 'stale')  # scaled steps were taken
-  if variant in ('faithful', 'fresh', 'stale'):
+  if variant in ('faithful', 'fresh', 'stale', 'local'):
     assert restarted > 0  # coordinates entered M with m = 0 ('fresh' acts)
     assert carried == 0  # Algorithm 1 zeroes m outside M
   else:
     assert carried > 0  # m outside M is carried, not zeroed
+
+
+def test_local_variant_sends_the_dense_first_moment():
+  """variant='local': the mean of the workers' m~ is AdamS's dense first
+  moment of the mean gradient, so m_t = bbar equals it at M (and is 0
+  elsewhere), at every step, with or without the clip (the clip acts on
+  gbar only)."""
+  params = _params()
+  n, steps, b1 = 8, 12, 0.9
+  grads = _worker_grads(params, n, steps)
+  tx = scape_jax.scape(1e-2, density=0.1, b1=b1, clip_norm=1.0,
+                       variant='local')
+  run = Runner(tx, params, n)
+  dense = {k: np.zeros_like(v) for k, v in params.items()}
+  sparse_steps = 0
+  for g in grads:
+    run.step(g)
+    mu = _scape_state(run.state).mu
+    for k in params:
+      dense[k] = b1 * dense[k] + (1 - b1) * np.mean(g[k], axis=0)
+      got = np.asarray(mu[k])
+      in_m = got != 0
+      np.testing.assert_allclose(got[in_m], dense[k][in_m], rtol=1e-4,
+                                 atol=1e-6, err_msg=k)
+      if params[k].ndim >= 2 and not in_m.all():
+        sparse_steps += 1
+  assert sparse_steps > steps  # the masks were sparse on most steps
 
 
 @pytest.mark.parametrize('n', [1, 2, 4, 8])

@@ -429,9 +429,10 @@ def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1,
       in_mask = layout.from_chunks(
           masks.unpack_bits(mask.words, layout.chunk_size), shape)
       m_out, e_out = _scape_variants.outside_mask(variant, mt, m, b1)
-      if m_out is None:  # e = m~ with M overwritten: no masked full pass
+      if m_out is None:  # e with M overwritten: no masked full pass
         kept = jnp.zeros_like(values) if err is None else err
-        residual.append(masks.set_at(mt, layout, mask.offsets, kept)[None])
+        residual.append(masks.set_at(e_out, layout, mask.offsets,
+                                     kept)[None])
       else:
         kept = 0.0 if err is None else masks.scatter_at(
             err, layout, mask.offsets, shape)

@@ -24,7 +24,12 @@ import jax.numpy as jnp
 # 'stale': Algorithm 1 whose step at a coordinate in M is scaled by the
 #   steps s since the coordinate last took one (the steps its residual
 #   gathered), at most 1/d: a replicated age per coordinate.
-VARIANTS = ('faithful', 'fresh', 'carry', 'carry_v', 'carry_vi', 'stale')
+# 'local': the residual decays like a first moment (e_t = b1 m~ outside M,
+#   not m~), so outside M each worker's m~ is its own local first moment
+#   b1 m~_{t-1} + (1 - b1) g^n, and the mean over workers of m~ is AdamS's
+#   dense first moment: bbar at M is exactly that moment. No extra state.
+VARIANTS = ('faithful', 'fresh', 'carry', 'carry_v', 'carry_vi', 'stale',
+            'local')
 
 
 def check_variant(variant: str, where: str) -> None:
@@ -61,11 +66,14 @@ def outside_mask(variant: str, mt: jax.Array, m_prev: jax.Array,
 
   Algorithm 1: (None, m~), None for m_t = 0 (bbar as scattered). Carrying
   variants: (b1 m_{t-1}, m~ - b1 m_{t-1}), so m_t + e_t = m~ as in
-  Algorithm 1 and nothing is counted twice.
+  Algorithm 1 and nothing is counted twice. 'local': (None, b1 m~), the
+  worker's local first moment, decayed at the next step's m~.
   """
   if carries(variant):
     kept = b1 * m_prev
     return kept, mt - kept
+  if variant == 'local':
+    return None, b1 * mt
   return None, mt
 
 
@@ -85,7 +93,7 @@ def second_moment(variant: str, mu_prev: Sequence[jax.Array],
   v keeps its previous value `nu_prev[j]`; in M it is AdamS's.
   'carry' uses AdamS's v everywhere: b2 m_{t-1}^2 outside M.
   """
-  if variant in ('faithful', 'carry', 'stale'):
+  if variant in ('faithful', 'carry', 'stale', 'local'):
     return list(nu)
   if variant in ('carry_v', 'carry_vi'):
     return [v if m is None else jnp.where(m, v, old)
