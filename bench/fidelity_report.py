@@ -374,10 +374,13 @@ def oracle_text(out: str, grid: dict) -> list:
       'best choice of k coordinates. Under (a)-(c) a method that sees less '
       '(outside M a worker on SCAPE\'s wire knows only its own gradient) '
       'should not beat the oracle, so an oracle gap above a target is the '
-      'measured reason that no variant in that family reaches it.', '']
+      'measured reason that no variant in that family reaches it. The '
+      'variations below test (b) and (c), and the verdict at the end takes '
+      'the oracle closest to AdamS among those run.', '']
   lines += oracle_table(out, grid)
-  lines += [''] + oracle_verdict(out, grid)
   lines += [''] + oracle_variations(out, grid)
+  lines += ['', '**What the oracles say about the targets:**', '']
+  lines += oracle_verdict(out, grid)
   return lines
 
 
@@ -426,28 +429,35 @@ def oracle_variations(out: str, grid: dict) -> list:
 
 
 def oracle_verdict(out: str, grid: dict) -> list:
-  """The oracle's gap against issue 12's targets, per b2 and density."""
+  """Per b2 and density, the oracle (or variation of it, `fidelity.ORACLES`)
+  closest to AdamS, against issue 12's targets."""
   adams = {0.95: grid.get(('base', ''), {}).get('AdamS', {}),
            0.999: grid.get(('b2', '0.999'), {}).get('AdamS', {})}
-  found = {}
+  found = {}  # (b2, density) -> alt -> [gap per seed]
   for key, overrides, _ in fidelity.figure_runs():
     result = _load(out, key)
-    if not key.startswith('oracle_') or result is None:
+    if not key.startswith('oracle') or result is None:
       continue
+    alt = key.split('_d')[0].partition('-')[2] or 'pending'
     b2, seed = overrides['optimizer.b2'], overrides.get('seed', 0)
     density = float(key.split('_d')[1].split('_')[0])
     base = adams[b2].get(seed)
     if base:
-      found.setdefault((b2, density), []).append(
+      found.setdefault((b2, density), {}).setdefault(alt, []).append(
           result['eval_loss'] / base['eval_loss'] - 1)
   lines = []
-  for (b2, density), g in sorted(found.items()):
+  for (b2, density), alts in sorted(found.items()):
     target = TARGETS[density]
+    best = min(alts, key=lambda a: (len(alts[a]) < len(fidelity.SEEDS),
+                                    _mean(alts[a])))
+    g = alts[best]
+    name = 'the oracle' if best == 'pending' else f'the oracle `{best}`'
     above = all(x > target for x in g)
     lines.append(
-        f'- b2 = {b2}, d = {density}: the oracle is {_pct(g)} behind AdamS, '
-        + (f'above the {100 * target:.0f}% target: under (a)-(c) no '
-           'variant on SCAPE\'s wire reaches it here.' if above else
+        f'- b2 = {b2}, d = {density}: the closest to AdamS of the '
+        f'{len(alts)} oracle(s) run, {name}, is {_pct(g)} behind it, '
+        + (f'above the {100 * target:.0f}% target: under (a) and (b), a '
+           'variant that sees less should not get closer.' if above else
            f'within reach of the {100 * target:.0f}% target: the argument '
            'does not rule a variant out here.'))
   return lines or ['- No oracle run has an AdamS run to compare with yet.']
