@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 CONFIG = 'configs/shakespeare_llama_tiny.py'
 # The variants of scale_by_scape the study puts beside Algorithm 1.
-VARIANTS = ('fresh', 'carry', 'carry_v', 'carry_vi', 'stale', 'local')
+VARIANTS = ('fresh', 'carry', 'carry_v', 'carry_vi', 'stale', 'local',
+            'local_stale')
 SEEDS = (0, 1)
 
 

@@ -66,6 +66,8 @@ VARIANT_NOTES = {  # what each variant changes (docs/design.md has more)
     'local': 'lets the residual decay like a first moment (e = b1 m~ outside '
              'M), so the mask is the top-k of each worker\'s local first '
              'moment and bbar at M is AdamS\'s dense first moment',
+    'local_stale': 'is `local` with the steps at M scaled as `stale` scales '
+                   'them',
 }
 
 

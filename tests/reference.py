@@ -48,13 +48,14 @@ class ScapeReference:
   since that coordinate last took one.
 
   variant='local' (docs/design.md, "Variant local"): each worker's residual
-  outside the mask is b1 m~ instead of m~.
+  outside the mask is b1 m~ instead of m~; 'local_stale' also scales the
+  step as 'stale' does.
   """
 
   def __init__(self, params, compressed, n, *, density, lr_fn, b1=0.9,
                b2=0.95, eps=1e-8, wd=0.1, clip=None, variant='faithful'):
     assert variant in ('faithful', 'fresh', 'carry', 'carry_v',
-                       'carry_vi', 'stale', 'local'), variant
+                       'carry_vi', 'stale', 'local', 'local_stale'), variant
     self.variant = variant
     self.n, self.density, self.lr_fn = n, density, lr_fn
     self.b1, self.b2, self.eps, self.wd, self.clip = b1, b2, eps, wd, clip
@@ -130,7 +131,7 @@ class ScapeReference:
         first = np.sign(bbar[j]) / (1 + self.eps * (1 - b1**t) /
                                     np.maximum(np.abs(bbar[j]), 1e-38))
         u = np.where(restarted, first, u)
-      if self.variant == 'stale':
+      if self.variant in ('stale', 'local_stale'):
         u = u * np.minimum(self.age[j] + 1, np.float32(1 / self.density))
         self.age[j] = np.where(in_ms[j], 0, self.age[j] + 1).astype(
             np.float32)
@@ -145,7 +146,8 @@ class ScapeReference:
     payloads = []
     for n in range(self.n):
       payloads.append(np.where(in_m, mts[n][j], 0).astype(np.float32))
-      kept = self.b1 * mts[n][j] if self.variant == 'local' else mts[n][j]
+      kept = (self.b1 * mts[n][j] if self.variant.startswith('local') else
+              mts[n][j])
       self.e[n][j] = np.where(in_m, 0, kept).astype(np.float32)
     return np.mean(np.stack(payloads), axis=0, dtype=np.float32)
 

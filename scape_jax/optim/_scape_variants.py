@@ -28,8 +28,9 @@ import jax.numpy as jnp
 #   not m~), so outside M each worker's m~ is its own local first moment
 #   b1 m~_{t-1} + (1 - b1) g^n, and the mean over workers of m~ is AdamS's
 #   dense first moment: bbar at M is exactly that moment. No extra state.
+# 'local_stale': 'local' whose steps at M are scaled as 'stale' scales them.
 VARIANTS = ('faithful', 'fresh', 'carry', 'carry_v', 'carry_vi', 'stale',
-            'local')
+            'local', 'local_stale')
 
 
 def check_variant(variant: str, where: str) -> None:
@@ -55,7 +56,7 @@ def mask_scores(variant: str, moment: Sequence[jax.Array],
 def init_state(variant: str, params):
   """The variant's replicated state: v for 'carry_v' and 'carry_vi', the
   age (steps since the last step taken) for 'stale', else ()."""
-  if variant in ('carry_v', 'carry_vi', 'stale'):
+  if variant in ('carry_v', 'carry_vi', 'stale', 'local_stale'):
     return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   return ()
 
@@ -72,7 +73,7 @@ def outside_mask(variant: str, mt: jax.Array, m_prev: jax.Array,
   if carries(variant):
     kept = b1 * m_prev
     return kept, mt - kept
-  if variant == 'local':
+  if variant in ('local', 'local_stale'):
     return None, b1 * mt
   return None, mt
 
@@ -93,7 +94,7 @@ def second_moment(variant: str, mu_prev: Sequence[jax.Array],
   v keeps its previous value `nu_prev[j]`; in M it is AdamS's.
   'carry' uses AdamS's v everywhere: b2 m_{t-1}^2 outside M.
   """
-  if variant in ('faithful', 'carry', 'stale', 'local'):
+  if variant in ('faithful', 'carry', 'stale', 'local', 'local_stale'):
     return list(nu)
   if variant in ('carry_v', 'carry_vi'):
     return [v if m is None else jnp.where(m, v, old)
@@ -116,7 +117,7 @@ def finish_direction(variant: str, direction: Sequence[jax.Array],
   """
   if variant in ('carry_v', 'carry_vi'):
     return list(direction), list(nu)
-  if variant != 'stale':
+  if variant not in ('stale', 'local_stale'):
     return list(direction), list(prev)
   out, ages = [], []
   for d, m, age in zip(direction, in_mask, prev):

@@ -194,7 +194,7 @@ class ScapeConfig:
   # Payload values on the wire: 'float32', 'bfloat16' or 'float16'.
   payload_dtype: str = 'float32'
   offset_bits: str = '32'  # Offsets on the wire: '32', '16' or 'auto'.
-  # 'faithful' (Alg. 1), 'fresh', 'carry', 'carry_v', 'carry_vi' or 'stale'
+  # 'faithful' (Alg. 1) or another of `optim._scape_variants.VARIANTS`
   # (docs/design.md).
   variant: str = 'faithful'
 
