@@ -75,6 +75,11 @@ ALL = tuple(METHODS)
 POINTS = [
     ('base', '', {}, ALL),
     ('b2', '0.999', {'optimizer.b2': 0.999}, ALL),
+    # One worker: the mask is chosen from the whole batch's m~, so this point
+    # separates what the chunked, local selection of the wire costs from
+    # what moving only M costs.
+    ('workers', '1', {'mesh.data': 1},
+     FAITHFUL + ('local_stale d=0.1', 'local_stale d=0.01')),
     ('lr', '1e-3', {'optimizer.lr': 1e-3}, FAITHFUL),
     ('lr', '1e-2', {'optimizer.lr': 1e-2}, FAITHFUL),
     ('warmup', '0', {'optimizer.scape.density_warmup_steps': 0}, FAITHFUL),
