@@ -61,12 +61,16 @@ def load_grid(out: str) -> dict:
   return grid
 
 
+def gaps_by_seed(point_runs: dict, method: str) -> dict:
+  """seed -> eval loss of `method` / AdamS's - 1, where both finished."""
+  base, runs = point_runs.get('AdamS', {}), point_runs.get(method, {})
+  return {s: runs[s]['eval_loss'] / base[s]['eval_loss'] - 1
+          for s in sorted(runs) if s in base}
+
+
 def gaps(point_runs: dict, method: str) -> list:
   """Per seed: eval loss of `method` / AdamS's - 1, where both finished."""
-  base = point_runs.get('AdamS', {})
-  runs = point_runs.get(method, {})
-  return [runs[s]['eval_loss'] / base[s]['eval_loss'] - 1
-          for s in sorted(runs) if s in base]
+  return list(gaps_by_seed(point_runs, method).values())
 
 
 def _fmt_gap(values: list) -> str:
@@ -98,7 +102,7 @@ def plot_gaps(grid: dict, path: str) -> None:
   fig, axes = plt.subplots(1, len(axes_names), figsize=(4 * len(axes_names),
                                                          3.4), sharey=True)
   base_value = {'b2': '0.95', 'lr': '3e-3', 'warmup': '50',
-                'model': 'llama-tiny', 'steps': '300'}
+                'model': 'llama-tiny', 'steps': '300', 'workers': '8'}
   for ax, name in zip(axes, axes_names):
     values = [base_value[name]] + [v for a, v, _, _ in fidelity.POINTS
                                    if a == name]
@@ -379,9 +383,36 @@ def oracle_text(out: str, grid: dict) -> list:
       'the oracle closest to AdamS among those run.', '']
   lines += oracle_table(out, grid)
   lines += [''] + oracle_variations(out, grid)
+  lines += [''] + workers_text(grid)
   lines += ['', '**What the oracles say about the targets:**', '']
   lines += oracle_verdict(out, grid)
   return lines
+
+
+def workers_text(grid: dict) -> list:
+  """Eight workers (the base) against one (mesh.data=1), per method and seed:
+  what choosing the mask per chunk from one worker's gradient costs."""
+  one, eight = grid.get(('workers', '1'), {}), grid.get(('base', ''), {})
+  methods = [m for m, *_ in fidelity.METHODS.items() if m != 'AdamS'
+             and one.get(m)]
+  if not methods:
+    return []
+  lines = ['**One worker against eight.** The same runs with `mesh.data=1`: '
+           'the whole batch on one worker, so the mask is the top-k of the '
+           'whole batch\'s m~ over each leaf, where with eight workers each '
+           'chooses its chunk\'s from its eighth of the batch. What is left '
+           'at one worker is the cost of moving only M; the difference is '
+           'the cost of the wire\'s local, chunked choice. Gap to AdamS '
+           '(same worker count and seed), per seed:', '',
+           '| method | 8 workers | 1 worker |', '|---|---|---|']
+  for m in methods:
+    lines.append(f'| {m} | {_fmt_seeds(gaps_by_seed(eight, m))} | '
+                 f'{_fmt_seeds(gaps_by_seed(one, m))} |')
+  return lines + ['']
+
+
+def _fmt_seeds(g: dict) -> str:
+  return ', '.join(f's{s} {100 * v:+.1f}%' for s, v in g.items()) or 'n/a'
 
 
 def oracle_variations(out: str, grid: dict) -> list:
