@@ -68,6 +68,10 @@ VARIANT_NOTES = {  # what each variant changes (docs/design.md has more)
              'moment and bbar at M is AdamS\'s dense first moment',
     'local_stale': 'is `local` with the steps at M scaled as `stale` scales '
                    'them',
+    'local_adam': 'runs Adam on each worker\'s own gradient and sends its '
+                  'pending (not yet applied) updates at M, the mask the '
+                  'top-k of the current update: the `current` oracle below '
+                  'with local gradients',
 }
 
 

@@ -157,6 +157,55 @@ class ScapeReference:
     return self.mask[j][n * c:(n + 1) * c]
 
 
+class LocalAdamReference(ScapeReference):
+  """N simulated workers running SCAPE's variant 'local_adam' (docs/design.md,
+  "Variant local_adam"): each worker clips its own gradient and runs Adam on
+  it per compressed leaf; its residual holds the updates not applied yet;
+  the step at M is the mean of the workers' pending updates there, the next
+  chunk masks the top-k of each worker's current update. Leaves that are
+  not compressed take Algorithm 1's dense AdamS."""
+
+  def __init__(self, params, compressed, n, **kwargs):
+    super().__init__(params, compressed, n, **kwargs)
+    self.m_local = [[np.zeros_like(p) for p in self.w] for _ in range(n)]
+    self.v_local = [[np.zeros_like(p) for p in self.w] for _ in range(n)]
+
+  def step(self, worker_grads):
+    self.t += 1
+    t, b1, b2, eps = self.t, self.b1, self.b2, self.eps
+    grads = []
+    for g in worker_grads:
+      norm = math.sqrt(sum(float(np.sum(x.astype(np.float64)**2)) for x in g))
+      scale = self.clip / norm if self.clip and norm > self.clip else 1.0
+      grads.append([(x * np.float32(scale)).astype(np.float32) for x in g])
+    lr = np.float32(self.lr_fn(t - 1))
+    c1, c2 = 1 - b1**t, 1 - b2**t
+    for j, p in enumerate(self.w):
+      if not self.compressed[j]:  # Algorithm 1's dense leaf
+        bbar = np.mean([b1 * self.m[j] + (1 - b1) * g[j] for g in grads],
+                       axis=0, dtype=np.float32)
+        gbar = (bbar - b1 * self.m[j]) / (1 - b1)
+        v = b2 * self.m[j]**2 + (1 - b2) * gbar**2
+        self.m[j] = bbar
+        u = (bbar / c1) / (np.sqrt(v / c2) + eps)
+      else:
+        in_m = self.mask[j][:p.size].reshape(p.shape)
+        pending, current = [], []
+        for n, g in enumerate(grads):
+          self.m_local[n][j] = b1 * self.m_local[n][j] + (1 - b1) * g[j]
+          self.v_local[n][j] = b2 * self.v_local[n][j] + (1 - b2) * g[j]**2
+          now = (self.m_local[n][j] / c1) / (np.sqrt(self.v_local[n][j] / c2)
+                                             + eps)
+          current.append([now if i == j else None
+                          for i in range(len(self.w))])
+          pending.append((self.e[n][j] + now).astype(np.float32))
+          self.e[n][j] = np.where(in_m, 0, pending[-1]).astype(np.float32)
+        u = np.where(in_m, np.mean(pending, axis=0, dtype=np.float32), 0)
+        self.mask[j] = self._refresh(j, current)
+      self.w[j] = (self.w[j] - lr * (u + self.wd * self.w[j])).astype(
+          np.float32)
+
+
 def lora_reference(x, kernel, bias, lora_a, lora_b, scale, cotangent):
   """A LoRA layer y = x W + b + scale (x A) B and, for the loss sum(y * g),
   the gradients of A and B (written out by the chain rule):

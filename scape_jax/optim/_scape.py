@@ -31,6 +31,7 @@ from scape_jax.comm.collectives import all_gather_invariant, varying
 from scape_jax.optim import _common
 from scape_jax.optim import _memory
 from scape_jax.optim import _wire
+from scape_jax.optim import _scape_local_adam  # pylint: disable=cyclic-import
 from scape_jax.optim import _scape_variants
 from scape_jax.optim._common import MaskOrFn, ScalarOrSchedule
 
@@ -44,9 +45,11 @@ class ScaleByScapeState(NamedTuple):
   residual_norm: jax.Array  # Per worker: ||e^n|| after the last step, f32[W].
   density: jax.Array  # f32: density in force at the last step.
   variant_state: optax.Updates = ()  # `_scape_variants.init_state`: replicated.
+  # Per worker: variant 'local_adam''s (m, v) of its own gradients, else ().
+  local_state: tuple = ()
 
   # Fields that differ per worker and carry the leading worker axis.
-  PER_WORKER_FIELDS = ('residual', 'mask', 'residual_norm')
+  PER_WORKER_FIELDS = ('residual', 'mask', 'residual_norm', 'local_state')
   # Fields that may live in host memory between steps (Section IV-E;
   # `scape_jax.sharding.state_shardings(..., offload='pinned_host')`).
   OFFLOADED_FIELDS = ('residual',)
@@ -235,6 +238,9 @@ def _configure(density, density_warmup_steps: int, *, b1, b2, eps, clip_norm,
   payload.check_payload_dtype(payload_dtype)
   topk.check_select(select, 'scape')
   _scape_variants.check_variant(variant, 'scape')
+  if variant == 'local_adam' and payload_dtype != 'float32':
+    raise ValueError(f'scape: payload_dtype={payload_dtype!r} with '
+                     "variant='local_adam'; it sends float32 only.")
   schedule = density
   if not isinstance(density, DensitySchedule):
     schedule = DensitySchedule(density, density_warmup_steps)
@@ -272,7 +278,9 @@ def _init_state(params, compress: MaskOrFn, axis_name,
       mask=plan.treedef.unflatten(own_mask),
       residual_norm=per_worker(jnp.zeros([], jnp.float32)),
       density=jnp.ones([], jnp.float32),
-      variant_state=_scape_variants.init_state(variant, params))
+      variant_state=_scape_variants.init_state(variant, params),
+      local_state=(_scape_local_adam.init_local_state(params, plan, per_worker)
+                   if variant == 'local_adam' else ()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,6 +306,9 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
                      plan: CompressionPlan, hyper: _Hyper,
                      schedule: DensitySchedule):
   """One SCAPE update whose payload has the k of density level `level`."""
+  if hyper.variant == 'local_adam':
+    return _scape_local_adam.update(grads, state, level, plan=plan,
+                                    hyper=hyper, schedule=schedule)
   flat = plan.treedef.flatten_up_to
   grad_leaves = [g.astype(jnp.float32) for g in flat(grads)]
   mu = flat(state.mu)
@@ -339,7 +350,7 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
           [optax.MaskedNode() if o is None else vary(o) for o in own_mask]),
       residual_norm=vary(jnp.sqrt(residual_sq)[None]),
       density=jnp.asarray(hyper.levels[level], jnp.float32),
-      variant_state=variant_state)
+      variant_state=variant_state, local_state=state.local_state)
   direction = [d.astype(g.dtype) for d, g in zip(direction, flat(grads))]
   return plan.treedef.unflatten(direction), new_state
 

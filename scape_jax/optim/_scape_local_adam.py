@@ -1,0 +1,115 @@
+"""SCAPE variant 'local_adam': sparse updates with error feedback on the wire
+of Algorithm 1.
+
+Each worker runs Adam on its own gradient of every compressed leaf (local,
+per-worker moments) and keeps the updates it has not applied yet in its
+residual (error feedback on the *update*, not on the first moment). Each
+step the payload is that pending update at the mask in force, its mean over
+the workers is the step there, and the next mask is the top-k of each
+worker's current update |u| in its own chunk. Leaves that are never
+compressed (norms, biases) take Algorithm 1's dense path (m~ exchanged in
+full, AdamS's direction). The masks, the payload and the collectives are
+Algorithm 1's, byte for byte.
+
+It is the sparse-update oracle of `docs/results.md` (`current`: the k
+largest of this step's update move, by their pending update) with each
+worker's own gradient in place of the mean gradient; with one worker it is
+that oracle. docs/design.md, "Variant local_adam", says where it departs
+from the paper.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from scape_jax.comm import masks
+from scape_jax.comm.collectives import varying
+from scape_jax.optim import _common
+from scape_jax.optim import _scape
+
+
+def init_local_state(params, plan, per_worker) -> tuple:
+  """(m, v) of each worker's Adam on its own gradient, per compressed leaf."""
+  zeros = [optax.MaskedNode() if layout is None else
+           per_worker(jnp.zeros(p.shape, jnp.float32))
+           for p, layout in zip(jax.tree.leaves(params), plan.layouts)]
+  tree = plan.treedef.unflatten(zeros)
+  return (tree, tree)
+
+
+def update(grads, state, level: int, *, plan, hyper, schedule):
+  """One 'local_adam' update whose masks have the k of `level`."""
+  flat = plan.treedef.flatten_up_to
+  grad_leaves = [g.astype(jnp.float32) for g in flat(grads)]
+  if hyper.clip_norm:  # each worker clips its own gradient
+    grad_leaves = _scape._clip(grad_leaves, hyper.clip_norm)
+  count = optax.safe_increment(state.count)
+  b1, b2 = hyper.b1, hyper.b2
+  mu, pending = flat(state.mu), flat(state.residual)
+  m_local, v_local = (flat(x) for x in state.local_state)
+  k_levels = [None if layout is None else plan.k_per_level(j, hyper.levels)
+              for j, layout in enumerate(plan.layouts)]
+  k_now = [None if k is None else k[level] for k in k_levels]
+
+  # Per compressed leaf: local Adam, its direction u and the pending update.
+  sent, new_m, new_v, current = [], [], [], []
+  for j, g in enumerate(grad_leaves):
+    if plan.layouts[j] is None:  # Algorithm 1's dense leaf: m~ in full
+      sent.append(b1 * mu[j] + (1.0 - b1) * g)
+      new_m.append(optax.MaskedNode())
+      new_v.append(optax.MaskedNode())
+      current.append(None)
+      continue
+    m = b1 * m_local[j][0] + (1.0 - b1) * g
+    v = b2 * v_local[j][0] + (1.0 - b2) * g * g
+    u = _common.bias_corrected_direction(m, v, count, b1=b1, b2=b2,
+                                         eps=hyper.eps)
+    sent.append(pending[j][0] + u)
+    new_m.append(m)
+    new_v.append(v)
+    current.append(u)
+
+  global_masks = _scape._exchange_masks(flat(state.mask), plan, k_now, hyper)
+  mean = _scape._exchange_payload(sent, plan, global_masks, hyper.axis_name)
+  direction, residual, mu_out = [], [], []
+  for j, (values, mask) in enumerate(zip(mean, global_masks)):
+    layout, shape = plan.layouts[j], plan.shapes[j]
+    if layout is None:  # AdamS on the synchronized moment
+      bbar = values.reshape(shape)
+      gbar = (bbar - b1 * mu[j]) / (1.0 - b1)
+      nu = b2 * mu[j] * mu[j] + (1.0 - b2) * gbar * gbar
+      direction.append(_common.bias_corrected_direction(
+          bbar, nu, count, b1=b1, b2=b2, eps=hyper.eps))
+      residual.append(None)
+      mu_out.append(bbar)
+    elif mask is None:  # dense at this level: every pending update applied
+      direction.append(values.reshape(shape))
+      residual.append(jnp.zeros((1,) + shape, jnp.float32))
+      mu_out.append(jnp.zeros(shape, jnp.float32))
+    else:
+      direction.append(masks.scatter_at(values, layout, mask.offsets, shape))
+      residual.append(masks.set_at(sent[j], layout, mask.offsets,
+                                   jnp.zeros_like(values))[None])
+      mu_out.append(jnp.zeros(shape, jnp.float32))
+
+  scores = [u if u is not None else s for u, s in zip(current, sent)]
+  own_mask = _scape._next_own_masks(scores, plan, k_levels, level,
+                                    schedule.level(state.count + 1), hyper)
+  vary = functools.partial(varying, axis_name=hyper.axis_name)
+  per_worker = lambda x: optax.MaskedNode() if x is None else vary(x)
+  local = [[x if isinstance(x, optax.MaskedNode) else vary(x[None])
+            for x in tree] for tree in (new_m, new_v)]
+  residual_sq = sum((jnp.sum(r * r) for r in residual if r is not None),
+                    jnp.zeros([], jnp.float32))
+  new_state = state._replace(
+      count=count,
+      mu=plan.treedef.unflatten(mu_out),
+      residual=plan.treedef.unflatten([per_worker(r) for r in residual]),
+      mask=plan.treedef.unflatten([per_worker(o) for o in own_mask]),
+      residual_norm=vary(jnp.sqrt(residual_sq)[None]),
+      density=jnp.asarray(hyper.levels[level], jnp.float32),
+      local_state=tuple(plan.treedef.unflatten(x) for x in local))
+  direction = [d.astype(g.dtype) for d, g in zip(direction, flat(grads))]
+  return plan.treedef.unflatten(direction), new_state
