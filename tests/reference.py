@@ -158,15 +158,17 @@ class ScapeReference:
 
 
 class LocalAdamReference(ScapeReference):
-  """N simulated workers running SCAPE's variant 'local_adam' (docs/design.md,
-  "Variant local_adam"): each worker clips its own gradient and runs Adam on
-  it per compressed leaf; its residual holds the updates not applied yet;
+  """N simulated workers running SCAPE's variant 'local_adam' or, with
+  `adams`, 'local_adams' (docs/design.md, "Variants local_adam and
+  local_adams"): each worker clips its own gradient and runs Adam (AdamS:
+  v = b2 m_{t-1}**2 + (1 - b2) g**2) on it per compressed leaf; its residual holds the updates not applied yet;
   the step at M is the mean of the workers' pending updates there, the next
   chunk masks the top-k of each worker's current update. Leaves that are
   not compressed take Algorithm 1's dense AdamS."""
 
-  def __init__(self, params, compressed, n, **kwargs):
+  def __init__(self, params, compressed, n, adams=False, **kwargs):
     super().__init__(params, compressed, n, **kwargs)
+    self.adams = adams
     self.m_local = [[np.zeros_like(p) for p in self.w] for _ in range(n)]
     self.v_local = [[np.zeros_like(p) for p in self.w] for _ in range(n)]
 
@@ -192,8 +194,9 @@ class LocalAdamReference(ScapeReference):
         in_m = self.mask[j][:p.size].reshape(p.shape)
         pending, current = [], []
         for n, g in enumerate(grads):
+          previous = self.m_local[n][j]**2 if self.adams else self.v_local[n][j]
           self.m_local[n][j] = b1 * self.m_local[n][j] + (1 - b1) * g[j]
-          self.v_local[n][j] = b2 * self.v_local[n][j] + (1 - b2) * g[j]**2
+          self.v_local[n][j] = b2 * previous + (1 - b2) * g[j]**2
           now = (self.m_local[n][j] / c1) / (np.sqrt(self.v_local[n][j] / c2)
                                              + eps)
           current.append([now if i == j else None

@@ -156,10 +156,13 @@ def test_matches_numpy_simulation_of_algorithm_1(density, variant):
     assert carried > 0  # m outside M is carried, not zeroed
 
 
-@pytest.mark.parametrize('density', [0.1, 0.01])
-def test_local_adam_matches_numpy(density):
-  """variant='local_adam' against `reference.LocalAdamReference`: params,
-  residuals (pending updates), per-worker moments and masks, 8 workers."""
+@pytest.mark.parametrize('density,variant', [(0.1, 'local_adam'),
+                                             (0.01, 'local_adam'),
+                                             (0.1, 'local_adams')])
+def test_local_adam_matches_numpy(density, variant):
+  """variants 'local_adam(s)' against `reference.LocalAdamReference`:
+  params, residuals (pending updates), per-worker moments and masks, 8
+  workers."""
   params = _params()
   n, steps, clip = 8, 20, 2.0
   grads = _worker_grads(params, n, steps)
@@ -170,9 +173,10 @@ def test_local_adam_matches_numpy(density):
   # round to 1 almost everywhere, a tie that float32 rounding decides.
   eps = 1e-3
   tx = scape_jax.scape(lr_fn, density=density, clip_norm=clip, eps=eps,
-                       variant='local_adam')
+                       variant=variant)
   run = Runner(tx, params, n)
   ref = LocalAdamReference([params[k] for k in names], compressed, n,
+                           adams=variant == 'local_adams',
                            density=density, eps=eps, clip=clip,
                            lr_fn=lambda i: float(lr_fn(i)))
   pending = 0
@@ -187,10 +191,12 @@ def test_local_adam_matches_numpy(density):
         continue
       bits = np.asarray(masks.unpack_bits(st.mask[k], ref.chunk[j]))
       for w in range(n):
+        # Pending sums of updates of size ~1: their float32 rounding
+        # (~1e-6) outlives cancellation, hence atol=1e-5.
         np.testing.assert_allclose(np.asarray(st.residual[k])[w],
-                                   ref.e[w][j], rtol=2e-5, atol=2e-6)
-        np.testing.assert_allclose(np.asarray(st.local_state[1][k])[w],
-                                   ref.v_local[w][j], rtol=2e-5, atol=1e-9)
+                                   ref.e[w][j], rtol=2e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(st.local_state[0][k])[w],
+                                   ref.m_local[w][j], rtol=2e-5, atol=1e-7)
         np.testing.assert_array_equal(bits[w], ref.chunk_mask(j, w))
         pending += int(np.sum(ref.e[w][j] != 0))
   assert pending > 0  # updates waited outside the mask

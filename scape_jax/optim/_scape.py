@@ -45,7 +45,7 @@ class ScaleByScapeState(NamedTuple):
   residual_norm: jax.Array  # Per worker: ||e^n|| after the last step, f32[W].
   density: jax.Array  # f32: density in force at the last step.
   variant_state: optax.Updates = ()  # `_scape_variants.init_state`: replicated.
-  # Per worker: variant 'local_adam''s (m, v) of its own gradients, else ().
+  # Per worker: `_scape_local_adam`'s moments of its own gradients, else ().
   local_state: tuple = ()
 
   # Fields that differ per worker and carry the leading worker axis.
@@ -238,9 +238,10 @@ def _configure(density, density_warmup_steps: int, *, b1, b2, eps, clip_norm,
   payload.check_payload_dtype(payload_dtype)
   topk.check_select(select, 'scape')
   _scape_variants.check_variant(variant, 'scape')
-  if variant == 'local_adam' and payload_dtype != 'float32':
+  if variant in _scape_variants.LOCAL_OPTIMIZERS and (
+      payload_dtype != 'float32'):
     raise ValueError(f'scape: payload_dtype={payload_dtype!r} with '
-                     "variant='local_adam'; it sends float32 only.")
+                     f'variant={variant!r}; it sends float32 only.')
   schedule = density
   if not isinstance(density, DensitySchedule):
     schedule = DensitySchedule(density, density_warmup_steps)
@@ -279,8 +280,9 @@ def _init_state(params, compress: MaskOrFn, axis_name,
       residual_norm=per_worker(jnp.zeros([], jnp.float32)),
       density=jnp.ones([], jnp.float32),
       variant_state=_scape_variants.init_state(variant, params),
-      local_state=(_scape_local_adam.init_local_state(params, plan, per_worker)
-                   if variant == 'local_adam' else ()))
+      local_state=(_scape_local_adam.init_local_state(variant, params, plan,
+                                                      per_worker)
+                   if variant in _scape_variants.LOCAL_OPTIMIZERS else ()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,7 +308,7 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
                      plan: CompressionPlan, hyper: _Hyper,
                      schedule: DensitySchedule):
   """One SCAPE update whose payload has the k of density level `level`."""
-  if hyper.variant == 'local_adam':
+  if hyper.variant in _scape_variants.LOCAL_OPTIMIZERS:
     return _scape_local_adam.update(grads, state, level, plan=plan,
                                     hyper=hyper, schedule=schedule)
   flat = plan.treedef.flatten_up_to

@@ -1,8 +1,10 @@
-"""SCAPE variant 'local_adam': sparse updates with error feedback on the wire
-of Algorithm 1.
+"""SCAPE variants 'local_adam' and 'local_adams': sparse updates with error
+feedback on the wire of Algorithm 1.
 
-Each worker runs Adam on its own gradient of every compressed leaf (local,
-per-worker moments) and keeps the updates it has not applied yet in its
+Each worker runs Adam ('local_adam': v the moving average of g**2) or AdamS
+('local_adams': v = b2 m_{t-1}**2 + (1 - b2) g**2, no state of its own) on
+its own gradient of every compressed leaf (local, per-worker moments) and
+keeps the updates it has not applied yet in its
 residual (error feedback on the *update*, not on the first moment). Each
 step the payload is that pending update at the mask in force, its mean over
 the workers is the step there, and the next mask is the top-k of each
@@ -14,8 +16,8 @@ Algorithm 1's, byte for byte.
 It is the sparse-update oracle of `docs/results.md` (`current`: the k
 largest of this step's update move, by their pending update) with each
 worker's own gradient in place of the mean gradient; with one worker it is
-that oracle. docs/design.md, "Variant local_adam", says where it departs
-from the paper.
+that oracle. docs/design.md, "Variants local_adam and local_adams", says
+where they depart from the paper.
 """
 
 import functools
@@ -30,17 +32,18 @@ from scape_jax.optim import _common
 from scape_jax.optim import _scape
 
 
-def init_local_state(params, plan, per_worker) -> tuple:
-  """(m, v) of each worker's Adam on its own gradient, per compressed leaf."""
+def init_local_state(variant: str, params, plan, per_worker) -> tuple:
+  """Each worker's moments of its own gradient, per compressed leaf: (m, v)
+  for 'local_adam', (m,) for 'local_adams'."""
   zeros = [optax.MaskedNode() if layout is None else
            per_worker(jnp.zeros(p.shape, jnp.float32))
            for p, layout in zip(jax.tree.leaves(params), plan.layouts)]
   tree = plan.treedef.unflatten(zeros)
-  return (tree, tree)
+  return (tree, tree) if variant == 'local_adam' else (tree,)
 
 
 def update(grads, state, level: int, *, plan, hyper, schedule):
-  """One 'local_adam' update whose masks have the k of `level`."""
+  """One 'local_adam' or 'local_adams' update at the k of `level`."""
   flat = plan.treedef.flatten_up_to
   grad_leaves = [g.astype(jnp.float32) for g in flat(grads)]
   if hyper.clip_norm:  # each worker clips its own gradient
@@ -48,7 +51,9 @@ def update(grads, state, level: int, *, plan, hyper, schedule):
   count = optax.safe_increment(state.count)
   b1, b2 = hyper.b1, hyper.b2
   mu, pending = flat(state.mu), flat(state.residual)
-  m_local, v_local = (flat(x) for x in state.local_state)
+  adams = hyper.variant == 'local_adams'
+  m_local = flat(state.local_state[0])
+  v_local = m_local if adams else flat(state.local_state[1])
   k_levels = [None if layout is None else plan.k_per_level(j, hyper.levels)
               for j, layout in enumerate(plan.layouts)]
   k_now = [None if k is None else k[level] for k in k_levels]
@@ -63,7 +68,8 @@ def update(grads, state, level: int, *, plan, hyper, schedule):
       current.append(None)
       continue
     m = b1 * m_local[j][0] + (1.0 - b1) * g
-    v = b2 * v_local[j][0] + (1.0 - b2) * g * g
+    previous = m_local[j][0] * m_local[j][0] if adams else v_local[j][0]
+    v = b2 * previous + (1.0 - b2) * g * g
     u = _common.bias_corrected_direction(m, v, count, b1=b1, b2=b2,
                                          eps=hyper.eps)
     sent.append(pending[j][0] + u)
@@ -100,7 +106,7 @@ def update(grads, state, level: int, *, plan, hyper, schedule):
   vary = functools.partial(varying, axis_name=hyper.axis_name)
   per_worker = lambda x: optax.MaskedNode() if x is None else vary(x)
   local = [[x if isinstance(x, optax.MaskedNode) else vary(x[None])
-            for x in tree] for tree in (new_m, new_v)]
+            for x in tree] for tree in ((new_m,) if adams else (new_m, new_v))]
   residual_sq = sum((jnp.sum(r * r) for r in residual if r is not None),
                     jnp.zeros([], jnp.float32))
   new_state = state._replace(

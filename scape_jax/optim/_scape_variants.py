@@ -29,11 +29,13 @@ import jax.numpy as jnp
 #   b1 m~_{t-1} + (1 - b1) g^n, and the mean over workers of m~ is AdamS's
 #   dense first moment: bbar at M is exactly that moment. No extra state.
 # 'local_stale': 'local' whose steps at M are scaled as 'stale' scales them.
-# 'local_adam': each worker runs Adam on its own gradient and keeps its
-#   unapplied updates as the residual; the payload is that pending update at
-#   M, the mask the top-k of the current update (`_scape_local_adam`).
+# 'local_adam', 'local_adams': each worker runs Adam (AdamS) on its own
+#   gradient and keeps its unapplied updates as the residual; the payload is
+#   that pending update at M, the mask the top-k of the current update
+#   (`_scape_local_adam`).
+LOCAL_OPTIMIZERS = ('local_adam', 'local_adams')
 VARIANTS = ('faithful', 'fresh', 'carry', 'carry_v', 'carry_vi', 'stale',
-            'local', 'local_stale', 'local_adam')
+            'local', 'local_stale') + LOCAL_OPTIMIZERS
 
 
 def check_variant(variant: str, where: str) -> None:
