@@ -80,7 +80,7 @@ POINTS = [
     # what moving only M costs.
     ('workers', '1', {'mesh.data': 1},
      FAITHFUL + ('local_stale d=0.1', 'local_stale d=0.01',
-                 'local_adams d=0.1', 'local_adams d=0.01')),
+                 'local_adam d=0.1', 'local_adam d=0.01')),
     ('lr', '1e-3', {'optimizer.lr': 1e-3}, FAITHFUL),
     ('lr', '1e-2', {'optimizer.lr': 1e-2}, FAITHFUL),
     ('warmup', '0', {'optimizer.scape.density_warmup_steps': 0}, FAITHFUL),
