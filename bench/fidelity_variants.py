@@ -75,6 +75,10 @@ VARIANT_NOTES = {  # what each variant changes (docs/design.md has more)
     'local_adams': 'is `local_adam` with AdamS\'s v (b2 m_{t-1}^2 + '
                    '(1 - b2) g^2 of the worker\'s own moment and gradient) '
                    'in place of Adam\'s',
+    'local_adam_now': 'is `local_adam` with the mask used in the step that '
+                      'chooses it, as the `current` oracle does (the '
+                      'payload\'s all-reduce then waits for the masks\' '
+                      'all-gather)',
 }
 
 

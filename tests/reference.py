@@ -166,9 +166,10 @@ class LocalAdamReference(ScapeReference):
   chunk masks the top-k of each worker's current update. Leaves that are
   not compressed take Algorithm 1's dense AdamS."""
 
-  def __init__(self, params, compressed, n, adams=False, **kwargs):
+  def __init__(self, params, compressed, n, adams=False, now=False,
+               **kwargs):
     super().__init__(params, compressed, n, **kwargs)
-    self.adams = adams
+    self.adams, self.now = adams, now
     self.m_local = [[np.zeros_like(p) for p in self.w] for _ in range(n)]
     self.v_local = [[np.zeros_like(p) for p in self.w] for _ in range(n)]
 
@@ -191,7 +192,6 @@ class LocalAdamReference(ScapeReference):
         self.m[j] = bbar
         u = (bbar / c1) / (np.sqrt(v / c2) + eps)
       else:
-        in_m = self.mask[j][:p.size].reshape(p.shape)
         pending, current = [], []
         for n, g in enumerate(grads):
           previous = self.m_local[n][j]**2 if self.adams else self.v_local[n][j]
@@ -202,9 +202,14 @@ class LocalAdamReference(ScapeReference):
           current.append([now if i == j else None
                           for i in range(len(self.w))])
           pending.append((self.e[n][j] + now).astype(np.float32))
-          self.e[n][j] = np.where(in_m, 0, pending[-1]).astype(np.float32)
+        if self.now and t > 1:  # this step's mask (step 1 is dense)
+          self.mask[j] = self._refresh(j, current)
+        in_m = self.mask[j][:p.size].reshape(p.shape)
+        for n in range(self.n):
+          self.e[n][j] = np.where(in_m, 0, pending[n]).astype(np.float32)
         u = np.where(in_m, np.mean(pending, axis=0, dtype=np.float32), 0)
-        self.mask[j] = self._refresh(j, current)
+        if not self.now:
+          self.mask[j] = self._refresh(j, current)
       self.w[j] = (self.w[j] - lr * (u + self.wd * self.w[j])).astype(
           np.float32)
 

@@ -158,7 +158,8 @@ def test_matches_numpy_simulation_of_algorithm_1(density, variant):
 
 @pytest.mark.parametrize('density,variant', [(0.1, 'local_adam'),
                                              (0.01, 'local_adam'),
-                                             (0.1, 'local_adams')])
+                                             (0.1, 'local_adams'),
+                                             (0.1, 'local_adam_now')])
 def test_local_adam_matches_numpy(density, variant):
   """variants 'local_adam(s)' against `reference.LocalAdamReference`:
   params, residuals (pending updates), per-worker moments and masks, 8
@@ -177,6 +178,7 @@ def test_local_adam_matches_numpy(density, variant):
   run = Runner(tx, params, n)
   ref = LocalAdamReference([params[k] for k in names], compressed, n,
                            adams=variant == 'local_adams',
+                           now=variant == 'local_adam_now',
                            density=density, eps=eps, clip=clip,
                            lr_fn=lambda i: float(lr_fn(i)))
   pending = 0

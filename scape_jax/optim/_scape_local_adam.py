@@ -1,22 +1,24 @@
-"""SCAPE variants 'local_adam' and 'local_adams': sparse updates with error
-feedback on the wire of Algorithm 1.
+"""SCAPE variants 'local_adam', 'local_adams' and 'local_adam_now': sparse
+updates with error feedback on the wire of Algorithm 1.
 
 Each worker runs Adam ('local_adam': v the moving average of g**2) or AdamS
 ('local_adams': v = b2 m_{t-1}**2 + (1 - b2) g**2, no state of its own) on
 its own gradient of every compressed leaf (local, per-worker moments) and
-keeps the updates it has not applied yet in its
-residual (error feedback on the *update*, not on the first moment). Each
+keeps the updates it has not applied yet in its residual (error feedback on
+the *update*, not on the first moment). Each
 step the payload is that pending update at the mask in force, its mean over
 the workers is the step there, and the next mask is the top-k of each
-worker's current update |u| in its own chunk. Leaves that are never
+worker's current update |u| in its own chunk ('local_adam_now': this
+step's mask, chosen from this step's update before the exchange, which then
+waits for the mask all-gather). Leaves that are never
 compressed (norms, biases) take Algorithm 1's dense path (m~ exchanged in
 full, AdamS's direction). The masks, the payload and the collectives are
 Algorithm 1's, byte for byte.
 
-It is the sparse-update oracle of `docs/results.md` (`current`: the k
+It follows the sparse-update oracle of `docs/results.md` (`current`: the k
 largest of this step's update move, by their pending update) with each
-worker's own gradient in place of the mean gradient; with one worker it is
-that oracle. docs/design.md, "Variants local_adam and local_adams", says
+worker's own gradient in place of the mean gradient and, as SCAPE must, the
+mask chosen one step before it is used. docs/design.md, "Variants local_adam and local_adams", says
 where they depart from the paper.
 """
 
@@ -33,17 +35,18 @@ from scape_jax.optim import _scape
 
 
 def init_local_state(variant: str, params, plan, per_worker) -> tuple:
-  """Each worker's moments of its own gradient, per compressed leaf: (m, v)
-  for 'local_adam', (m,) for 'local_adams'."""
+  """Each worker's moments of its own gradient, per compressed leaf: (m,)
+  for 'local_adams', else (m, v)."""
   zeros = [optax.MaskedNode() if layout is None else
            per_worker(jnp.zeros(p.shape, jnp.float32))
            for p, layout in zip(jax.tree.leaves(params), plan.layouts)]
   tree = plan.treedef.unflatten(zeros)
-  return (tree, tree) if variant == 'local_adam' else (tree,)
+  return (tree,) if variant == 'local_adams' else (tree, tree)
 
 
 def update(grads, state, level: int, *, plan, hyper, schedule):
-  """One 'local_adam' or 'local_adams' update at the k of `level`."""
+  """One update of a `_scape_variants.LOCAL_OPTIMIZERS` variant at the k of
+  `level`."""
   flat = plan.treedef.flatten_up_to
   grad_leaves = [g.astype(jnp.float32) for g in flat(grads)]
   if hyper.clip_norm:  # each worker clips its own gradient
@@ -52,6 +55,7 @@ def update(grads, state, level: int, *, plan, hyper, schedule):
   b1, b2 = hyper.b1, hyper.b2
   mu, pending = flat(state.mu), flat(state.residual)
   adams = hyper.variant == 'local_adams'
+  now = hyper.variant == 'local_adam_now'
   m_local = flat(state.local_state[0])
   v_local = m_local if adams else flat(state.local_state[1])
   k_levels = [None if layout is None else plan.k_per_level(j, hyper.levels)
@@ -77,7 +81,16 @@ def update(grads, state, level: int, *, plan, hyper, schedule):
     new_v.append(v)
     current.append(u)
 
-  global_masks = _scape._exchange_masks(flat(state.mask), plan, k_now, hyper)
+  scores = [u if u is not None else s for u, s in zip(current, sent)]
+  if now:  # this step's masks, from this step's updates
+    own_mask = _scape._next_own_masks(scores, plan, k_levels, level, level,
+                                      hyper)
+    global_masks = _scape._exchange_masks(own_mask, plan, k_now, hyper)
+  else:  # Algorithm 1's: chosen at the previous step
+    global_masks = _scape._exchange_masks(flat(state.mask), plan, k_now,
+                                          hyper)
+    own_mask = _scape._next_own_masks(scores, plan, k_levels, level,
+                                      schedule.level(state.count + 1), hyper)
   mean = _scape._exchange_payload(sent, plan, global_masks, hyper.axis_name)
   direction, residual, mu_out = [], [], []
   for j, (values, mask) in enumerate(zip(mean, global_masks)):
@@ -100,9 +113,6 @@ def update(grads, state, level: int, *, plan, hyper, schedule):
                                    jnp.zeros_like(values))[None])
       mu_out.append(jnp.zeros(shape, jnp.float32))
 
-  scores = [u if u is not None else s for u, s in zip(current, sent)]
-  own_mask = _scape._next_own_masks(scores, plan, k_levels, level,
-                                    schedule.level(state.count + 1), hyper)
   vary = functools.partial(varying, axis_name=hyper.axis_name)
   per_worker = lambda x: optax.MaskedNode() if x is None else vary(x)
   local = [[x if isinstance(x, optax.MaskedNode) else vary(x[None])

@@ -32,8 +32,9 @@ import jax.numpy as jnp
 # 'local_adam', 'local_adams': each worker runs Adam (AdamS) on its own
 #   gradient and keeps its unapplied updates as the residual; the payload is
 #   that pending update at M, the mask the top-k of the current update
-#   (`_scape_local_adam`).
-LOCAL_OPTIMIZERS = ('local_adam', 'local_adams')
+#   (`_scape_local_adam`); 'local_adam_now' uses the mask in the step that
+#   chooses it (the payload's all-reduce waits for the masks' all-gather).
+LOCAL_OPTIMIZERS = ('local_adam', 'local_adams', 'local_adam_now')
 VARIANTS = ('faithful', 'fresh', 'carry', 'carry_v', 'carry_vi', 'stale',
             'local', 'local_stale') + LOCAL_OPTIMIZERS
 
@@ -60,7 +61,8 @@ def mask_scores(variant: str, moment: Sequence[jax.Array],
 
 def init_state(variant: str, params):
   """The variant's replicated state: v for 'carry_v' and 'carry_vi', the
-  age (steps since the last step taken) for 'stale', else ()."""
+  age (steps since the last step taken) for 'stale' and 'local_stale',
+  else ()."""
   if variant in ('carry_v', 'carry_vi', 'stale', 'local_stale'):
     return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   return ()
