@@ -159,8 +159,8 @@ class ScapeReference:
 
 class LocalAdamReference(ScapeReference):
   """N simulated workers running SCAPE's variant 'local_adam' or, with
-  `adams`, 'local_adams' (docs/design.md, "Variants local_adam and
-  local_adams"): each worker clips its own gradient and runs Adam (AdamS:
+  `adams`, 'local_adams', with `now`, 'local_adam_now' (docs/design.md):
+  each worker clips its own gradient and runs Adam (AdamS:
   v = b2 m_{t-1}**2 + (1 - b2) g**2) on it per compressed leaf; its residual holds the updates not applied yet;
   the step at M is the mean of the workers' pending updates there, the next
   chunk masks the top-k of each worker's current update. Leaves that are

@@ -18,8 +18,8 @@ Algorithm 1's, byte for byte.
 It follows the sparse-update oracle of `docs/results.md` (`current`: the k
 largest of this step's update move, by their pending update) with each
 worker's own gradient in place of the mean gradient and, as SCAPE must, the
-mask chosen one step before it is used. docs/design.md, "Variants local_adam and local_adams", says
-where they depart from the paper.
+mask chosen one step before it is used. docs/design.md, "SCAPE variants 'local_adam', 'local_adams',
+'local_adam_now'", says where they depart from the paper.
 """
 
 import functools
