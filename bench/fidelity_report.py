@@ -398,12 +398,13 @@ def workers_text(grid: dict) -> list:
   if not methods:
     return []
   lines = ['**One worker against eight.** The same runs with `mesh.data=1`: '
-           'the whole batch on one worker, so the mask is the top-k of the '
-           'whole batch\'s m~ over each leaf, where with eight workers each '
-           'chooses its chunk\'s from its eighth of the batch. What is left '
-           'at one worker is the cost of moving only M; the difference is '
-           'the cost of the wire\'s local, chunked choice. Gap to AdamS '
-           '(same worker count and seed), per seed:', '',
+           'the whole batch on one worker, so every worker-local quantity '
+           '(the mask\'s scores, the residual, the local variants\' moments) '
+           'is the whole batch\'s, where with eight workers each has its '
+           'eighth. What is left at one worker is the cost of the update '
+           'rule and of moving only M; the difference is the cost of the '
+           'workers\' local view. Gap to AdamS (same worker count and '
+           'seed), per seed:', '',
            '| method | 8 workers | 1 worker |', '|---|---|---|']
   for m in methods:
     lines.append(f'| {m} | {_fmt_seeds(gaps_by_seed(eight, m))} | '
