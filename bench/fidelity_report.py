@@ -16,7 +16,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 import fidelity  # noqa: E402
 import fidelity_horizon  # noqa: E402
+import fidelity_oracle  # noqa: E402
+from fidelity_oracle import load_result as _load  # noqa: E402
+from fidelity_oracle import pct as _pct  # noqa: E402
 from fidelity_variants import TARGETS  # noqa: E402
+from fidelity_variants import seed_gaps  # noqa: E402
 from fidelity_variants import targets_text  # noqa: E402
 from fidelity_variants import variant_text  # noqa: E402
 import results_md  # noqa: E402
@@ -33,14 +37,6 @@ def _save(fig, path: str) -> None:
   from PIL import Image  # pylint: disable=g-import-not-at-top
   fig.savefig(path, dpi=DPI)
   Image.open(path).convert('RGB').quantize(64).save(path, optimize=True)
-
-
-def _load(out: str, key: str):
-  path = os.path.join(out, 'runs', key + '.json')
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
 
 
 def _metrics(out: str, key: str) -> list:
@@ -61,16 +57,9 @@ def load_grid(out: str) -> dict:
   return grid
 
 
-def gaps_by_seed(point_runs: dict, method: str) -> dict:
-  """seed -> eval loss of `method` / AdamS's - 1, where both finished."""
-  base, runs = point_runs.get('AdamS', {}), point_runs.get(method, {})
-  return {s: runs[s]['eval_loss'] / base[s]['eval_loss'] - 1
-          for s in sorted(runs) if s in base}
-
-
 def gaps(point_runs: dict, method: str) -> list:
   """Per seed: eval loss of `method` / AdamS's - 1, where both finished."""
-  return list(gaps_by_seed(point_runs, method).values())
+  return list(seed_gaps(point_runs, method).values())
 
 
 def _fmt_gap(values: list) -> str:
@@ -293,43 +282,11 @@ def conclusion(grid: dict) -> list:
   return lines
 
 
-def oracle_table(out: str, grid: dict) -> list:
-  """The sparse-update oracle against AdamS at the same b2 and seed."""
-  lines = ['| run | b2 | density | seed | eval loss | vs AdamS (same seed) |',
-           '|---|---|---|---|---|---|']
-  adams = {'0.95': grid.get(('base', ''), {}).get('AdamS', {}),
-           '0.999': grid.get(('b2', '0.999'), {}).get('AdamS', {})}
-  for key, overrides, _ in fidelity.figure_runs():
-    if not key.startswith('oracle_'):
-      continue
-    result = _load(out, key)
-    b2 = str(overrides.get('optimizer.b2', 0.95))
-    seed = overrides.get('seed', 0)
-    density = key.split('_d')[1].split('_')[0]
-    head = f'| {key} | {b2} | {density} | {seed} |'
-    if result is None:
-      lines.append(f'{head} not run | |')
-      continue
-    base = adams.get(b2, {}).get(seed)
-    vs = (f'{100 * (result["eval_loss"] / base["eval_loss"] - 1):+.1f}%'
-          if base else 'AdamS not run')
-    lines.append(f'{head} {result["eval_loss"]:.3f} | {vs} |')
-  return lines
-
-
 def missing_runs(out: str) -> list:
   """Names of the runs of `grid` and `figures` that have no result yet."""
   keys = [fidelity.run_key(o) for _, _, _, o in fidelity.grid_runs()]
   keys += [k for k, _, _ in fidelity.figure_runs()]
   return [k for k in dict.fromkeys(keys) if _load(out, k) is None]
-
-
-def _mean(values: list) -> float:
-  return sum(values) / len(values)
-
-
-def _pct(values: list) -> str:
-  return ', '.join(f'{100 * v:+.1f}%' for v in values)
 
 
 def faithful_setting_text(grid: dict) -> list:
@@ -350,149 +307,6 @@ def faithful_setting_text(grid: dict) -> list:
   return [f'**No faithful setting closes the gap** at the {measured} '
           '(point, density) pairs measured; the points not run yet '
           '(listed below) are open.']
-
-
-def oracle_text(out: str, grid: dict) -> list:
-  """What the oracle is, what it assumes, and what it shows here."""
-  lines = [
-      'The oracle is AdamS whose moments see the dense mean gradient, '
-      'restricted in what it moves the way SCAPE is: each step, per '
-      'compressed leaf, only the k = ceil(d * size) coordinates with the '
-      'largest pending update (this step\'s AdamS update plus every earlier '
-      'one not applied yet) take their step; the others wait in an '
-      'error-feedback buffer and get only weight decay. Same density '
-      'schedule (warmup over 50 steps), learning rate, b1, b2, eps, clip and '
-      'weight decay as AdamS (`register_topk(stage=\'update\')` in '
-      '`bench/fidelity_tools.py`). It sends dense gradients, so it is not a '
-      'method for SCAPE\'s wire: it is a reference for what SCAPE\'s '
-      'sparse *movement* costs once the information loss is removed.',
-      '',
-      'It bounds a method on SCAPE\'s wire only under three assumptions, '
-      'which the measurements do not prove: (a) the method moves only the '
-      'coordinates in M beyond weight decay (true of Algorithm 1 and of '
-      '`fresh`, and needed by Algorithm 2\'s sparse parameter all-gather); '
-      '(b) a selected coordinate takes an AdamS-sized step at the same '
-      'hyperparameters (a method that rescales its selected steps, e.g. by '
-      'their staleness, or moves outside M from replicated state, is not in '
-      'the family); (c) picking the largest pending updates is close to the '
-      'best choice of k coordinates. Under (a)-(c) a method that sees less '
-      '(outside M a worker on SCAPE\'s wire knows only its own gradient) '
-      'should not beat the oracle, so an oracle gap above a target is the '
-      'measured reason that no variant in that family reaches it. The '
-      'variations below test (b) and (c), and the verdict at the end takes '
-      'the oracle closest to AdamS among those run.', '']
-  lines += oracle_table(out, grid)
-  lines += [''] + oracle_variations(out, grid)
-  lines += [''] + workers_text(grid)
-  lines += ['', '**What the oracles say about the targets:**', '']
-  lines += oracle_verdict(out, grid)
-  return lines
-
-
-def workers_text(grid: dict) -> list:
-  """Eight workers (the base) against one (mesh.data=1), per method and seed:
-  what choosing the mask per chunk from one worker's gradient costs."""
-  one, eight = grid.get(('workers', '1'), {}), grid.get(('base', ''), {})
-  methods = [m for m, *_ in fidelity.METHODS.items() if m != 'AdamS'
-             and one.get(m)]
-  if not methods:
-    return []
-  lines = ['**One worker against eight.** The same runs with `mesh.data=1`: '
-           'the whole batch on one worker, so every worker-local quantity '
-           '(the mask\'s scores, the residual, the local variants\' moments) '
-           'is the whole batch\'s, where with eight workers each has its '
-           'eighth. What is left at one worker is the cost of the update '
-           'rule and of moving only M; the difference is the cost of the '
-           'workers\' local view. Gap to AdamS (same worker count and '
-           'seed), per seed:', '',
-           '| method | 8 workers | 1 worker |', '|---|---|---|']
-  for m in methods:
-    lines.append(f'| {m} | {_fmt_seeds(gaps_by_seed(eight, m))} | '
-                 f'{_fmt_seeds(gaps_by_seed(one, m))} |')
-  return lines + ['']
-
-
-def _fmt_seeds(g: dict) -> str:
-  return ', '.join(f's{s} {100 * v:+.1f}%' for s, v in g.items()) or 'n/a'
-
-
-def oracle_variations(out: str, grid: dict) -> list:
-  """The oracle against itself with another choice of coordinates or
-  another step size (b2 = 0.95): tests of assumptions (b) and (c)."""
-  adams = grid.get(('base', ''), {}).get('AdamS', {})
-  lines = [
-      '**Testing (b) and (c).** The same oracle at b2 = 0.95 with another '
-      'choice of the k coordinates that move, or another step size '
-      '(`ORACLES` in `bench/fidelity.py`): `current` moves the k largest of '
-      'this step\'s AdamS update alone (their pending update), `random` k '
-      'coordinates drawn uniformly each step, `x2` twice the pending update '
-      'at the oracle\'s own choice. Eval loss vs AdamS (same seed), and '
-      'minus the oracle\'s gap (points; negative: closer to AdamS than the '
-      'oracle):', '',
-      '| variation | density | seed | eval loss | vs AdamS | minus the oracle |',
-      '|---|---|---|---|---|---|']
-  beaten, compared = [], 0
-  for alt in fidelity.ORACLES:
-    if alt == 'pending':
-      continue
-    for seed in fidelity.SEEDS:
-      for density in (0.1, 0.01):
-        result = _load(out, fidelity.oracle_key(density, 0.95, seed, alt))
-        ref = _load(out, fidelity.oracle_key(density, 0.95, seed))
-        base = adams.get(seed)
-        if result is None or base is None:
-          lines.append(f'| {alt} | {density} | {seed} | not run | | |')
-          continue
-        gap = result['eval_loss'] / base['eval_loss'] - 1
-        vs = '-'
-        if ref is not None:
-          delta = 100 * (gap - (ref['eval_loss'] / base['eval_loss'] - 1))
-          vs, compared = f'{delta:+.1f}', compared + 1
-          if delta < 0:
-            beaten.append(f'{alt} d={density} s{seed} ({delta:+.1f})')
-        lines.append(f'| {alt} | {density} | {seed} | '
-                     f'{result["eval_loss"]:.3f} | {100 * gap:+.1f}% | {vs} |')
-  if compared:
-    lines += ['', (f'No variation is closer to AdamS than the oracle in any '
-                   f'of the {compared} runs.' if not beaten else
-                   f'Closer to AdamS than the oracle ({len(beaten)} of '
-                   f'{compared} runs): ' + '; '.join(beaten) + '.')]
-  return lines
-
-
-def oracle_verdict(out: str, grid: dict) -> list:
-  """Per b2 and density, the oracle (or variation of it, `fidelity.ORACLES`)
-  closest to AdamS, against issue 12's targets."""
-  adams = {0.95: grid.get(('base', ''), {}).get('AdamS', {}),
-           0.999: grid.get(('b2', '0.999'), {}).get('AdamS', {})}
-  found = {}  # (b2, density) -> alt -> [gap per seed]
-  for key, overrides, _ in fidelity.figure_runs():
-    result = _load(out, key)
-    if not key.startswith('oracle') or result is None:
-      continue
-    alt = key.split('_d')[0].partition('-')[2] or 'pending'
-    b2, seed = overrides['optimizer.b2'], overrides.get('seed', 0)
-    density = float(key.split('_d')[1].split('_')[0])
-    base = adams[b2].get(seed)
-    if base:
-      found.setdefault((b2, density), {}).setdefault(alt, []).append(
-          result['eval_loss'] / base['eval_loss'] - 1)
-  lines = []
-  for (b2, density), alts in sorted(found.items()):
-    target = TARGETS[density]
-    best = min(alts, key=lambda a: (len(alts[a]) < len(fidelity.SEEDS),
-                                    _mean(alts[a])))
-    g = alts[best]
-    name = 'the oracle' if best == 'pending' else f'the oracle `{best}`'
-    above = all(x > target for x in g)
-    lines.append(
-        f'- b2 = {b2}, d = {density}: the closest to AdamS of the '
-        f'{len(alts)} oracle(s) run, {name}, is {_pct(g)} behind it, '
-        + (f'above the {100 * target:.0f}% target: under (a) and (b), a '
-           'variant that sees less should not get closer.' if above else
-           f'within reach of the {100 * target:.0f}% target: the argument '
-           'does not rule a variant out here.'))
-  return lines or ['- No oracle run has an AdamS run to compare with yet.']
 
 
 def figure3_text(out: str, notes: list) -> list:
@@ -621,7 +435,7 @@ def write(out: str) -> None:
   lines += [''] + horizon
   lines += [''] + missing_text(out)
   lines += ['', '### How far can sparse updates go? The oracle', '']
-  lines += oracle_text(out, grid)
+  lines += fidelity_oracle.oracle_text(out, grid)
   lines += ['', '### Figure 3 at small scale', '',
             '![Figure 3](bench/fidelity_figure3.png)', '']
   lines += figure3_text(out, fig3)
@@ -640,7 +454,9 @@ def write(out: str) -> None:
             'clip scales gbar by f < 1 a fresh coordinate steps 1/f times '
             'further than that; `fresh` steps by 1 either way. The carrying '
             'variants also move coordinates outside M (by the carried '
-            'moment): "mean |u| / AdamS\'s" includes that movement.',
+            'moment): "mean |u| / AdamS\'s" includes that movement. For '
+            '`local_adam` and its kin the residual is the pending update, '
+            'in units of the direction, not a moment.',
             '']
   lines += diagnosis_table(out)
   results_md.replace_section(DOC, 'fidelity', lines)

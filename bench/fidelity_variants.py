@@ -9,7 +9,7 @@ import fidelity
 TARGETS = {0.1: 0.02, 0.01: 0.05}  # issue 12: the variant vs AdamS, per density
 
 
-def _seed_gaps(runs: dict, method: str) -> dict:
+def seed_gaps(runs: dict, method: str) -> dict:
   """{seed: gap} where both `method` and AdamS finished."""
   base = runs.get('AdamS', {})
   return {s: r['eval_loss'] / base[s]['eval_loss'] - 1
@@ -31,7 +31,7 @@ def targets_text(grid: dict) -> list:
   for name in ('SCAPE',) + fidelity.VARIANTS:
     cells = []
     for point, label, density, target in columns:
-      g = _seed_gaps(grid.get(point, {}), f'{name} d={density}')
+      g = seed_gaps(grid.get(point, {}), f'{name} d={density}')
       if not g:
         cells.append('not run')
         continue
@@ -91,8 +91,8 @@ def variant_text(grid: dict) -> list:
     for axis, value, _, _ in fidelity.POINTS:
       runs = grid.get((axis, value), {})
       for density in TARGETS:
-        faithful = _seed_gaps(runs, f'SCAPE d={density}')
-        variant = _seed_gaps(runs, f'{name} d={density}')
+        faithful = seed_gaps(runs, f'SCAPE d={density}')
+        variant = seed_gaps(runs, f'{name} d={density}')
         diff = {k: 100 * (variant[k] - faithful[k]) for k in variant
                 if k in faithful}
         label = f'{axis}={value}' if value else 'base'

@@ -1,0 +1,51 @@
+"""SCAPE's density warmup: the levels of density one update can be at."""
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from scape_jax.comm import masks
+
+
+@dataclasses.dataclass(frozen=True)
+class DensitySchedule:
+  """Exponential density warmup from 1 to `density`, quantized to levels.
+
+  Level 0 is density 1: the first step is dense because M_0 is all ones. The
+  continuous schedule `density ** (min(t, W) / W)` at `t` completed updates is
+  rounded to the nearest of at most `max_levels` levels, evenly spaced in log
+  density. Each level is one compiled program; nothing recompiles per step.
+  """
+  density: float
+  warmup_steps: int = 0
+  max_levels: int = 8
+
+  def __post_init__(self):
+    masks.chunk_k(self.density, 1)  # validates density
+    if self.warmup_steps < 0:
+      raise ValueError(
+          f'density_warmup_steps={self.warmup_steps!r} must be >= 0.')
+
+  @property
+  def levels(self) -> tuple:
+    if self.density == 1.0:
+      return (1.0,)
+    if self.warmup_steps == 0:
+      return (1.0, self.density)
+    n = min(self.max_levels, self.warmup_steps + 1)
+    return tuple(self.density ** (i / (n - 1)) for i in range(n - 1)) + (
+        self.density,)
+
+  def level(self, count):
+    """Level in force at the update after `count` completed ones (int or array)."""
+    last = len(self.levels) - 1
+    w = self.warmup_steps
+    if isinstance(count, int):
+      if count == 0 or last == 0:
+        return 0
+      return last if w == 0 else (2 * min(count, w) * last + w) // (2 * w)
+    count = jnp.asarray(count, jnp.int32)
+    if last == 0:
+      return jnp.zeros([], jnp.int32)
+    ramp = last if w == 0 else (2 * jnp.minimum(count, w) * last + w) // (2 * w)
+    return jnp.where(count == 0, 0, ramp).astype(jnp.int32)
