@@ -186,9 +186,11 @@ def oracle_verdict(out: str, grid: dict) -> list:
     above = all(x > target for x in g)
     lines.append(
         f'- b2 = {b2}, d = {density}: the closest to AdamS of the '
-        f'{len(alts)} oracle(s) run, {name}, is {pct(g)} behind it, '
-        + (f'above the {100 * target:.0f}% target: under (a) and (b), a '
-           'variant that sees less should not get closer.' if above else
+        f'{len(alts)} oracle(s) run here, {name}, is {pct(g)} against it, '
+        + (f'above the {100 * target:.0f}% target: none of these choices of '
+           'what moves reaches it with dense information, so a variant that '
+           'moves the same way with less should not either; a better choice '
+           'is not ruled out (see `current` above).' if above else
            f'within reach of the {100 * target:.0f}% target: the argument '
            'does not rule a variant out here.'))
   return lines or ['- No oracle run has an AdamS run to compare with yet.']
