@@ -75,9 +75,10 @@ ALL = tuple(METHODS)
 POINTS = [
     ('base', '', {}, ALL),
     ('b2', '0.999', {'optimizer.b2': 0.999}, ALL),
-    # One worker: the mask is chosen from the whole batch's m~, so this point
-    # separates what the chunked, local selection of the wire costs from
-    # what moving only M costs.
+    # One worker: every worker-local quantity (the mask's scores, the
+    # residual, the local variants' moments) is the whole batch's, so this
+    # point separates what the workers' local view costs from what the
+    # update rule costs.
     ('workers', '1', {'mesh.data': 1},
      FAITHFUL + ('local_stale d=0.1', 'local_stale d=0.01',
                  'local_adam d=0.1', 'local_adam d=0.01',
