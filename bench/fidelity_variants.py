@@ -71,7 +71,7 @@ VARIANT_NOTES = {  # what each variant changes (docs/design.md has more)
     'local_adam': 'runs Adam on each worker\'s own gradient and sends its '
                   'pending (not yet applied) updates at M, the mask the '
                   'top-k of the current update: the `current` oracle below '
-                  'with local gradients',
+                  'with each worker\'s own gradient and the mask a step late',
     'local_adams': 'is `local_adam` with AdamS\'s v (b2 m_{t-1}^2 + '
                    '(1 - b2) g^2 of the worker\'s own moment and gradient) '
                    'in place of Adam\'s',
