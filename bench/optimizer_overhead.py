@@ -275,10 +275,10 @@ def bench_tree(name: str, densities, repeats=None, number=None,
         'temp_vs_fp32_tree': temps / (4 * n_params), 'temp_bytes_sort': None,
         'compile_s': compile_s, 'select_N32_vs_adamw': None}
     row.update({f'{how}_ms_N{n}': None for how in SELECTIONS for n in (1, 32)})
-    if p.donated:
-      pass  # the selection and the temporaries are the plain row's
-    elif method.density is not None and method.density < 1 and (
-        method.select == 'auto'):
+    # Donated rows: the selection and the temporaries are the plain row's.
+    sparse = (not p.donated and method.density is not None and
+              method.density < 1)
+    if sparse and method.select == 'auto':
       row['temp_bytes_sort'] = temp_bytes(scape(method.density, 'sort'),
                                           method.kwargs, params, grads)
       for how in SELECTIONS:
@@ -286,7 +286,7 @@ def bench_tree(name: str, densities, repeats=None, number=None,
           row[f'{how}_ms_N{n}'] = 1e3 * selection_seconds(
               params, method.density, n, how)
       row['select_N32_vs_adamw'] = row['select_ms_N32'] / (1e3 * base)
-    elif method.density is not None and method.density < 1:
+    elif sparse:
       for n in (1, 32):  # this row's select alone
         row[f'select_ms_N{n}'] = 1e3 * selection_seconds(
             params, method.density, n, 'select', method.select)

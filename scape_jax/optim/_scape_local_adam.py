@@ -52,20 +52,58 @@ def update(grads, state, level: int, *, plan, hyper, schedule):
   if hyper.clip_norm:  # each worker clips its own gradient
     grad_leaves = _scape._clip(grad_leaves, hyper.clip_norm)
   count = optax.safe_increment(state.count)
-  b1, b2 = hyper.b1, hyper.b2
-  mu, pending = flat(state.mu), flat(state.residual)
-  adams = hyper.variant == 'local_adams'
-  now = hyper.variant == 'local_adam_now'
-  m_local = flat(state.local_state[0])
-  v_local = m_local if adams else flat(state.local_state[1])
+  sent, moments, current = _local_updates(grad_leaves, state, count, plan,
+                                          hyper)
   k_levels = [None if layout is None else plan.k_per_level(j, hyper.levels)
               for j, layout in enumerate(plan.layouts)]
   k_now = [None if k is None else k[level] for k in k_levels]
+  if hyper.variant == 'local_adam_now':  # this step's masks, from this step
+    own_mask = _scape._next_own_masks(current, plan, k_levels, level, level,
+                                      hyper)
+    global_masks = _scape._exchange_masks(own_mask, plan, k_now, hyper)
+  else:  # Algorithm 1's: chosen at the previous step
+    global_masks = _scape._exchange_masks(flat(state.mask), plan, k_now,
+                                          hyper)
+    own_mask = _scape._next_own_masks(current, plan, k_levels, level,
+                                      schedule.level(state.count + 1), hyper)
+  mean = _scape._exchange_payload(sent, plan, global_masks, hyper.axis_name)
+  direction, residual, mu = _apply(mean, sent, global_masks, flat(state.mu),
+                                   count, plan, hyper)
 
-  # Per compressed leaf: local Adam, its direction u and the pending update.
+  vary = functools.partial(varying, axis_name=hyper.axis_name)
+  per_worker = lambda x: optax.MaskedNode() if x is None else vary(x)
+  residual_sq = sum((jnp.sum(r * r) for r in residual if r is not None),
+                    jnp.zeros([], jnp.float32))
+  new_state = state._replace(
+      count=count,
+      mu=plan.treedef.unflatten(mu),
+      residual=plan.treedef.unflatten([per_worker(r) for r in residual]),
+      mask=plan.treedef.unflatten([per_worker(o) for o in own_mask]),
+      residual_norm=vary(jnp.sqrt(residual_sq)[None]),
+      density=jnp.asarray(hyper.levels[level], jnp.float32),
+      local_state=tuple(plan.treedef.unflatten(
+          [x if isinstance(x, optax.MaskedNode) else vary(x[None])
+           for x in tree]) for tree in moments))
+  direction = [d.astype(g.dtype) for d, g in zip(direction, flat(grads))]
+  return plan.treedef.unflatten(direction), new_state
+
+
+def _local_updates(grad_leaves, state, count, plan, hyper) -> tuple:
+  """(payload per leaf, the new local moments, the current update u).
+
+  A compressed leaf sends its pending update e + u, where u is the worker's
+  own Adam (AdamS for 'local_adams') direction; a dense leaf sends
+  Algorithm 1's m~ = b1 m + (1 - b1) g in full (u: None).
+  """
+  b1, b2 = hyper.b1, hyper.b2
+  adams = hyper.variant == 'local_adams'
+  flat = plan.treedef.flatten_up_to
+  mu, pending = flat(state.mu), flat(state.residual)
+  m_local = flat(state.local_state[0])
+  v_local = None if adams else flat(state.local_state[1])
   sent, new_m, new_v, current = [], [], [], []
   for j, g in enumerate(grad_leaves):
-    if plan.layouts[j] is None:  # Algorithm 1's dense leaf: m~ in full
+    if plan.layouts[j] is None:
       sent.append(b1 * mu[j] + (1.0 - b1) * g)
       new_m.append(optax.MaskedNode())
       new_v.append(optax.MaskedNode())
@@ -80,22 +118,18 @@ def update(grads, state, level: int, *, plan, hyper, schedule):
     new_m.append(m)
     new_v.append(v)
     current.append(u)
+  return sent, ((new_m,) if adams else (new_m, new_v)), current
 
-  scores = [u if u is not None else s for u, s in zip(current, sent)]
-  if now:  # this step's masks, from this step's updates
-    own_mask = _scape._next_own_masks(scores, plan, k_levels, level, level,
-                                      hyper)
-    global_masks = _scape._exchange_masks(own_mask, plan, k_now, hyper)
-  else:  # Algorithm 1's: chosen at the previous step
-    global_masks = _scape._exchange_masks(flat(state.mask), plan, k_now,
-                                          hyper)
-    own_mask = _scape._next_own_masks(scores, plan, k_levels, level,
-                                      schedule.level(state.count + 1), hyper)
-  mean = _scape._exchange_payload(sent, plan, global_masks, hyper.axis_name)
+
+def _apply(mean, sent, global_masks, mu, count, plan, hyper) -> tuple:
+  """(direction, residual, mu) per leaf from the exchanged means: AdamS on
+  a dense leaf's synchronized moment; on a compressed leaf the mean pending
+  update at M (every entry at a dense level), the rest kept as residual."""
+  b1, b2 = hyper.b1, hyper.b2
   direction, residual, mu_out = [], [], []
   for j, (values, mask) in enumerate(zip(mean, global_masks)):
     layout, shape = plan.layouts[j], plan.shapes[j]
-    if layout is None:  # AdamS on the synchronized moment
+    if layout is None:
       bbar = values.reshape(shape)
       gbar = (bbar - b1 * mu[j]) / (1.0 - b1)
       nu = b2 * mu[j] * mu[j] + (1.0 - b2) * gbar * gbar
@@ -103,29 +137,13 @@ def update(grads, state, level: int, *, plan, hyper, schedule):
           bbar, nu, count, b1=b1, b2=b2, eps=hyper.eps))
       residual.append(None)
       mu_out.append(bbar)
-    elif mask is None:  # dense at this level: every pending update applied
+      continue
+    mu_out.append(mu[j])  # unused (zero) on compressed leaves
+    if mask is None:
       direction.append(values.reshape(shape))
       residual.append(jnp.zeros((1,) + shape, jnp.float32))
-      mu_out.append(jnp.zeros(shape, jnp.float32))
     else:
       direction.append(masks.scatter_at(values, layout, mask.offsets, shape))
       residual.append(masks.set_at(sent[j], layout, mask.offsets,
                                    jnp.zeros_like(values))[None])
-      mu_out.append(jnp.zeros(shape, jnp.float32))
-
-  vary = functools.partial(varying, axis_name=hyper.axis_name)
-  per_worker = lambda x: optax.MaskedNode() if x is None else vary(x)
-  local = [[x if isinstance(x, optax.MaskedNode) else vary(x[None])
-            for x in tree] for tree in ((new_m,) if adams else (new_m, new_v))]
-  residual_sq = sum((jnp.sum(r * r) for r in residual if r is not None),
-                    jnp.zeros([], jnp.float32))
-  new_state = state._replace(
-      count=count,
-      mu=plan.treedef.unflatten(mu_out),
-      residual=plan.treedef.unflatten([per_worker(r) for r in residual]),
-      mask=plan.treedef.unflatten([per_worker(o) for o in own_mask]),
-      residual_norm=vary(jnp.sqrt(residual_sq)[None]),
-      density=jnp.asarray(hyper.levels[level], jnp.float32),
-      local_state=tuple(plan.treedef.unflatten(x) for x in local))
-  direction = [d.astype(g.dtype) for d, g in zip(direction, flat(grads))]
-  return plan.treedef.unflatten(direction), new_state
+  return direction, residual, mu_out
