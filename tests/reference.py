@@ -159,7 +159,8 @@ class ScapeReference:
 
 class LocalAdamReference(ScapeReference):
   """N simulated workers running SCAPE's variant 'local_adam' or, with
-  `adams`, 'local_adams', with `now`, 'local_adam_now' (docs/design.md):
+  `adams`, 'local_adams', with `now`, 'local_adam_now', with `now` and
+  `mean_v`, 'local_adam_meanv' (docs/design.md):
   each worker clips its own gradient and runs Adam (AdamS:
   v = b2 m_{t-1}**2 + (1 - b2) g**2) on it per compressed leaf; its residual holds the updates not applied yet;
   the step at M is the mean of the workers' pending updates there, the next
@@ -167,9 +168,13 @@ class LocalAdamReference(ScapeReference):
   not compressed take Algorithm 1's dense AdamS."""
 
   def __init__(self, params, compressed, n, adams=False, now=False,
-               **kwargs):
+               mean_v=False, informed=None, **kwargs):
     super().__init__(params, compressed, n, **kwargs)
-    self.adams, self.now = adams, now
+    self.adams, self.now, self.mean_v = adams, now, mean_v
+    # The study's informed runs (bench/fidelity_information.py): 'mask',
+    # masks from the workers' mean current update; 'v', v from the mean
+    # (clipped) gradient.
+    self.informed = informed
     self.m_local = [[np.zeros_like(p) for p in self.w] for _ in range(n)]
     self.v_local = [[np.zeros_like(p) for p in self.w] for _ in range(n)]
 
@@ -193,15 +198,24 @@ class LocalAdamReference(ScapeReference):
         u = (bbar / c1) / (np.sqrt(v / c2) + eps)
       else:
         pending, current = [], []
+        g_mean = np.mean([g[j] for g in grads], axis=0, dtype=np.float32)
         for n, g in enumerate(grads):
           previous = self.m_local[n][j]**2 if self.adams else self.v_local[n][j]
+          g_v = g_mean if self.informed == 'v' else g[j]
           self.m_local[n][j] = b1 * self.m_local[n][j] + (1 - b1) * g[j]
-          self.v_local[n][j] = b2 * previous + (1 - b2) * g[j]**2
-          now = (self.m_local[n][j] / c1) / (np.sqrt(self.v_local[n][j] / c2)
-                                             + eps)
+          self.v_local[n][j] = b2 * previous + (1 - b2) * g_v**2
+          m_hat = self.m_local[n][j] / c1
+          v_hat = self.v_local[n][j] / c2
+          if self.mean_v:  # the mean gradient's second moment, estimated
+            v_hat = m_hat**2 + np.maximum(v_hat - m_hat**2, 0) / self.n
+          now = m_hat / (np.sqrt(v_hat) + eps)
           current.append([now if i == j else None
                           for i in range(len(self.w))])
           pending.append((self.e[n][j] + now).astype(np.float32))
+        if self.informed == 'mask':
+          mean = np.mean([c[j] for c in current], axis=0, dtype=np.float32)
+          current = [[mean if i == j else None for i in range(len(self.w))]
+                     ] * self.n
         if self.now and t > 1:  # this step's mask (step 1 is dense)
           self.mask[j] = self._refresh(j, current)
         in_m = self.mask[j][:p.size].reshape(p.shape)

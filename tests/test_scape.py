@@ -159,11 +159,18 @@ def test_matches_numpy_simulation_of_algorithm_1(density, variant):
 @pytest.mark.parametrize('density,variant', [(0.1, 'local_adam'),
                                              (0.01, 'local_adam'),
                                              (0.1, 'local_adams'),
-                                             (0.1, 'local_adam_now')])
+                                             (0.1, 'local_adam_now'),
+                                             (0.1, 'local_adam_meanv')])
 def test_local_adam_matches_numpy(density, variant):
   """variants 'local_adam(s)' against `reference.LocalAdamReference`:
   params, residuals (pending updates), per-worker moments and masks, 8
   workers."""
+  check_local_adam(density, variant)
+
+
+def check_local_adam(density, variant, informed=None):
+  """`test_local_adam_matches_numpy`'s check; `informed`: the reference
+  of the study's informed runs (tests/test_fidelity.py)."""
   params = _params()
   n, steps, clip = 8, 20, 2.0
   grads = _worker_grads(params, n, steps)
@@ -178,8 +185,10 @@ def test_local_adam_matches_numpy(density, variant):
   run = Runner(tx, params, n)
   ref = LocalAdamReference([params[k] for k in names], compressed, n,
                            adams=variant == 'local_adams',
-                           now=variant == 'local_adam_now',
-                           density=density, eps=eps, clip=clip,
+                           now=variant in ('local_adam_now',
+                                           'local_adam_meanv'),
+                           mean_v=variant == 'local_adam_meanv',
+                           informed=informed, density=density, eps=eps, clip=clip,
                            lr_fn=lambda i: float(lr_fn(i)))
   pending = 0
   for g in grads:

@@ -1,16 +1,18 @@
-"""SCAPE variants 'local_adam', 'local_adams' and 'local_adam_now': sparse
-updates with error feedback on the wire of Algorithm 1.
+"""SCAPE variants 'local_adam', 'local_adams', 'local_adam_now' and
+'local_adam_meanv': sparse updates with error feedback on the wire of
+Algorithm 1.
 
 Each worker runs Adam ('local_adam': v the moving average of g**2) or AdamS
 ('local_adams': v = b2 m_{t-1}**2 + (1 - b2) g**2, no state of its own) on
 its own gradient of every compressed leaf (local, per-worker moments) and
 keeps the updates it has not applied yet in its residual (error feedback on
-the *update*, not on the first moment). Each
-step the payload is that pending update at the mask in force, its mean over
-the workers is the step there, and the next mask is the top-k of each
-worker's current update |u| in its own chunk ('local_adam_now': this
-step's mask, chosen from this step's update before the exchange, which then
-waits for the mask all-gather). Leaves that are never
+the *update*, not on the first moment). Each step the payload is that
+pending update at the mask in force, its mean over the workers is the step
+there, and the next mask is the top-k of each worker's current update |u|
+in its own chunk. 'local_adam_now' uses this step's mask, chosen from this
+step's update before the exchange, which then waits for the mask
+all-gather; 'local_adam_meanv' is 'local_adam_now' whose v estimates the
+mean gradient's second moment (`mean_v_direction`). Leaves that are never
 compressed (norms, biases) take Algorithm 1's dense path (m~ exchanged in
 full, AdamS's direction). The masks, the payload and the collectives are
 Algorithm 1's, byte for byte.
@@ -18,8 +20,9 @@ Algorithm 1's, byte for byte.
 It follows the sparse-update oracle of `docs/results.md` (`current`: the k
 largest of this step's update move, by their pending update) with each
 worker's own gradient in place of the mean gradient and, as SCAPE must, the
-mask chosen one step before it is used. docs/design.md, "SCAPE variants 'local_adam', 'local_adams',
-'local_adam_now'", says where they depart from the paper.
+mask chosen one step before it is used. docs/design.md, "SCAPE variants
+'local_adam', 'local_adams', 'local_adam_now', 'local_adam_meanv'", says
+where they depart from the paper.
 """
 
 import functools
@@ -32,6 +35,10 @@ from scape_jax.comm import masks
 from scape_jax.comm.collectives import varying
 from scape_jax.optim import _common
 from scape_jax.optim import _scape
+
+
+# The variants whose mask is used in the step that chooses it.
+_THIS_STEP = ('local_adam_now', 'local_adam_meanv')
 
 
 def init_local_state(variant: str, params, plan, per_worker) -> tuple:
@@ -57,14 +64,15 @@ def update(grads, state, level: int, *, plan, hyper, schedule):
   k_levels = [None if layout is None else plan.k_per_level(j, hyper.levels)
               for j, layout in enumerate(plan.layouts)]
   k_now = [None if k is None else k[level] for k in k_levels]
-  if hyper.variant == 'local_adam_now':  # this step's masks, from this step
-    own_mask = _scape._next_own_masks(current, plan, k_levels, level, level,
+  scores = mask_scores(current, hyper.axis_name)
+  if hyper.variant in _THIS_STEP:  # this step's masks, from this step
+    own_mask = _scape._next_own_masks(scores, plan, k_levels, level, level,
                                       hyper)
     global_masks = _scape._exchange_masks(own_mask, plan, k_now, hyper)
   else:  # Algorithm 1's: chosen at the previous step
     global_masks = _scape._exchange_masks(flat(state.mask), plan, k_now,
                                           hyper)
-    own_mask = _scape._next_own_masks(current, plan, k_levels, level,
+    own_mask = _scape._next_own_masks(scores, plan, k_levels, level,
                                       schedule.level(state.count + 1), hyper)
   mean = _scape._exchange_payload(sent, plan, global_masks, hyper.axis_name)
   direction, residual, mu = _apply(mean, sent, global_masks, flat(state.mu),
@@ -111,14 +119,53 @@ def _local_updates(grad_leaves, state, count, plan, hyper) -> tuple:
       continue
     m = b1 * m_local[j][0] + (1.0 - b1) * g
     previous = m_local[j][0] * m_local[j][0] if adams else v_local[j][0]
-    v = b2 * previous + (1.0 - b2) * g * g
-    u = _common.bias_corrected_direction(m, v, count, b1=b1, b2=b2,
-                                         eps=hyper.eps)
+    g_v = second_moment_gradient(g, hyper.axis_name)
+    v = b2 * previous + (1.0 - b2) * g_v * g_v
+    if hyper.variant == 'local_adam_meanv':
+      u = mean_v_direction(m, v, count, plan.num_workers, b1=b1, b2=b2,
+                           eps=hyper.eps)
+    else:
+      u = _common.bias_corrected_direction(m, v, count, b1=b1, b2=b2,
+                                           eps=hyper.eps)
     sent.append(pending[j][0] + u)
     new_m.append(m)
     new_v.append(v)
     current.append(u)
   return sent, ((new_m,) if adams else (new_m, new_v)), current
+
+
+# The two statistics a worker computes from its own gradient alone. They
+# are functions so that the study can hand every worker the mean gradient's
+# instead (bench/fidelity_information.py), to measure what the local view
+# costs; nothing in the library replaces them.
+
+
+def mask_scores(current: list, axis_name) -> list:
+  """What each worker's next mask is the top-k of (per leaf, None where
+  not compressed): its own current update."""
+  del axis_name
+  return current
+
+
+def second_moment_gradient(g: jax.Array, axis_name) -> jax.Array:
+  """The gradient whose square the local v averages: the worker's own."""
+  del axis_name
+  return g
+
+
+def mean_v_direction(m, v, count, num_workers: int, *, b1, b2, eps):
+  """'local_adam_meanv's direction m^ / (sqrt(v_mean) + eps), where
+  v_mean = m^**2 + max(v^ - m^**2, 0) / N estimates the second moment of
+  the mean gradient over the N workers from one worker's bias-corrected
+  moments m^, v^: m^**2 stands for the squared mean, v^ - m^**2 for the
+  worker's own gradient variance, which the mean of N workers divides by
+  N. With one worker it is Adam's direction."""
+  t = count.astype(jnp.float32)
+  m_hat = m / (1.0 - jnp.asarray(b1, jnp.float32) ** t)
+  v_hat = v / (1.0 - jnp.asarray(b2, jnp.float32) ** t)
+  signal = m_hat * m_hat
+  v_mean = signal + jnp.maximum(v_hat - signal, 0.0) / num_workers
+  return m_hat / (jnp.sqrt(v_mean) + eps)
 
 
 def _apply(mean, sent, global_masks, mu, count, plan, hyper) -> tuple:

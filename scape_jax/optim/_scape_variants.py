@@ -34,7 +34,10 @@ import jax.numpy as jnp
 #   that pending update at M, the mask the top-k of the current update
 #   (`_scape_local_adam`); 'local_adam_now' uses the mask in the step that
 #   chooses it (the payload's all-reduce waits for the masks' all-gather).
-LOCAL_OPTIMIZERS = ('local_adam', 'local_adams', 'local_adam_now')
+# 'local_adam_meanv': 'local_adam_now' whose v estimates the mean gradient's
+#   second moment, m^2 + (v - m^2) / N, from each worker's own moments.
+LOCAL_OPTIMIZERS = ('local_adam', 'local_adams', 'local_adam_now',
+                    'local_adam_meanv')
 VARIANTS = ('faithful', 'fresh', 'carry', 'carry_v', 'carry_vi', 'stale',
             'local', 'local_stale') + LOCAL_OPTIMIZERS
 
