@@ -8,7 +8,8 @@ run is one subprocess that writes `<out>/runs/<key>.json` (and keeps its
 is resumable.
 
   python bench/fidelity.py grid [--hours 4]     # the gap grid (section 2)
-  python bench/fidelity.py figures [--hours 1]  # Figures 3 and 6, the oracle
+  python bench/fidelity.py figures [--hours 1]  # Figures 3 and 6, the oracle,
+                                                # the informed runs
   python bench/fidelity.py report               # docs/results.md + plots
 
 Loss results are deterministic up to the seed; nothing here is a timing.
@@ -36,7 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 CONFIG = 'configs/shakespeare_llama_tiny.py'
 # The variants of scale_by_scape the study puts beside Algorithm 1.
 VARIANTS = ('fresh', 'carry', 'carry_v', 'carry_vi', 'stale', 'local',
-            'local_stale', 'local_adam', 'local_adams', 'local_adam_now')
+            'local_stale', 'local_adam', 'local_adams', 'local_adam_now',
+            'local_adam_meanv')
 SEEDS = (0, 1)
 
 
@@ -82,7 +84,8 @@ POINTS = [
     ('workers', '1', {'mesh.data': 1},
      FAITHFUL + ('local_stale d=0.1', 'local_stale d=0.01',
                  'local_adam d=0.1', 'local_adam d=0.01',
-                 'local_adam_now d=0.1', 'local_adam_now d=0.01')),
+                 'local_adam_now d=0.1', 'local_adam_now d=0.01',
+                 'local_adam_meanv d=0.1', 'local_adam_meanv d=0.01')),
     ('lr', '1e-3', {'optimizer.lr': 1e-3}, FAITHFUL),
     ('lr', '1e-2', {'optimizer.lr': 1e-2}, FAITHFUL),
     ('warmup', '0', {'optimizer.scape.density_warmup_steps': 0}, FAITHFUL),
@@ -133,6 +136,9 @@ def run_one(spec: dict) -> dict:
   fidelity_tools.register_study_methods()
   for kwargs in spec.get('register_topk', []):
     fidelity_tools.register_topk(**kwargs)
+  if 'inform' in spec:
+    import fidelity_information  # pylint: disable=g-import-not-at-top
+    fidelity_information.inform(spec['inform'])
   run_dir = spec['run_dir']
   shutil.rmtree(run_dir, ignore_errors=True)
   overrides = dict(spec['overrides'])
@@ -167,12 +173,19 @@ def _claim(lock: str) -> bool:
       try:
         with open(lock) as f:
           pid = int(f.read().strip() or 0)
-        if pid <= 0:  # killed between creating the file and writing to it
+        if pid <= 0:  # being written, or its writer was killed before
+          if time.time() - os.path.getmtime(lock) < 60:
+            return False
           raise ValueError(lock)
         os.kill(pid, 0)  # still running?
         return False
+      except FileNotFoundError:  # released since: try again
+        continue
       except (ProcessLookupError, ValueError):
-        os.remove(lock)  # left by a process that was killed
+        try:
+          os.remove(lock)  # left by a process that was killed
+        except FileNotFoundError:  # another process removed it first
+          pass
         continue
     with os.fdopen(fd, 'w') as f:
       f.write(str(os.getpid()))
@@ -259,7 +272,22 @@ def figure_runs() -> list:
                        {'optimizer.name': oracle_method(density, alt),
                         'optimizer.b2': b2, 'seed': seed},
                        {'register_topk': [kwargs]}))
+  for kind in INFORMED:
+    for seed in SEEDS:
+      for density in (0.1, 0.01):
+        runs.append((informed_key(kind, density, seed),
+                     dict(_scape(density, 'local_adam_now'), seed=seed),
+                     {'inform': kind}))
   return runs
+
+
+# The informed runs (bench/fidelity_information.py): 'local_adam_now' with
+# one statistic of the mean gradient given to every worker.
+INFORMED = ('mask', 'v')
+
+
+def informed_key(kind: str, density: float, seed: int) -> str:
+  return f'informed-{kind}_d{density}' + (f'_seed{seed}' if seed else '')
 
 
 # The oracle ('pending') and the variations that test what it assumes: which

@@ -79,6 +79,10 @@ VARIANT_NOTES = {  # what each variant changes (docs/design.md has more)
                       'chooses it, as the `current` oracle does (the '
                       'payload\'s all-reduce then waits for the masks\' '
                       'all-gather)',
+    'local_adam_meanv': 'is `local_adam_now` whose v estimates the mean '
+                        'gradient\'s second moment from the worker\'s own '
+                        'moments, m^2 + (v - m^2) / N, in place of the '
+                        'worker\'s own v',
 }
 
 

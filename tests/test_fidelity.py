@@ -13,6 +13,7 @@ import pytest
 
 import scape_jax
 from tests.reference import k_of
+from tests.test_scape import check_local_adam
 
 _BENCH = os.path.join(os.path.dirname(os.path.dirname(__file__)), 'bench')
 sys.path.insert(0, _BENCH)
@@ -197,6 +198,43 @@ def test_grid_keys_share_identical_runs_and_every_point_has_adams():
       'name=scape,density=0.01,variant=faithful,seed=1')
   for axis, value, _, names in fidelity.POINTS:
     assert 'AdamS' in names and len(fidelity.SEEDS) == 2, (axis, value)
+
+
+@pytest.mark.parametrize('kind', ['mask', 'v'])
+def test_informed_local_adam_matches_numpy(kind, monkeypatch):
+  """bench/fidelity_information.py: 'local_adam_now' with the workers' mean
+  update as the mask's scores, or the mean gradient in v, against
+  `reference.LocalAdamReference(informed=kind)`."""
+  spec = importlib.util.spec_from_file_location(
+      'fidelity_information', os.path.join(_BENCH, 'fidelity_information.py'))
+  info = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(info)
+  from scape_jax.optim import _scape_local_adam  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(_scape_local_adam, *info.REPLACEMENTS[kind])
+  check_local_adam(0.1, 'local_adam_now', informed=kind)
+  with pytest.raises(ValueError, match="kind='x'; allowed: mask, v"):
+    info.inform('x')
+
+
+def test_run_locks_are_held_by_live_or_fresh_claims_only(tmp_path):
+  """`_claim`: a live pid or a lock still being written (empty, new) holds
+  the run; a dead pid or an old empty lock is taken over."""
+  spec = importlib.util.spec_from_file_location(
+      'fidelity', os.path.join(_BENCH, 'fidelity.py'))
+  fidelity = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(fidelity)
+  lock = str(tmp_path / 'run.json.lock')
+  assert fidelity._claim(lock)
+  assert open(lock).read() == str(os.getpid())
+  assert not fidelity._claim(lock)  # we are alive
+  open(lock, 'w').close()  # created, pid not written yet
+  assert not fidelity._claim(lock)
+  os.utime(lock, (0, 0))  # ... a long time ago: its writer died
+  assert fidelity._claim(lock)
+  with open(lock, 'w') as f:
+    f.write('999999999')  # no such process
+  assert fidelity._claim(lock)
+  assert open(lock).read() == str(os.getpid())
 
 
 def test_horizon_gaps_compare_each_run_with_adams_on_its_seed(tmp_path):
