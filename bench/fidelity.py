@@ -263,7 +263,7 @@ def figure_runs() -> list:
   runs.append(('fig6_overlap_adams', {'optimizer.name': 'overlap_adams',
                                       'steps': FIG6_STEPS}, {'log_every': 1}))
   for alt in ORACLES:
-    for b2 in ((0.95, 0.999) if alt == 'pending' else (0.95,)):
+    for b2 in ((0.95, 0.999) if alt in ('pending', 'current') else (0.95,)):
       for seed in SEEDS:
         for density in (0.1, 0.01):
           kwargs = dict(base='adams', stage='update', density=density,

@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import scape_jax
+from scape_jax.optim import _scape_local_adam
 from tests.reference import k_of
 from tests.test_scape import check_local_adam
 
@@ -209,7 +210,6 @@ def test_informed_local_adam_matches_numpy(kind, monkeypatch):
       'fidelity_information', os.path.join(_BENCH, 'fidelity_information.py'))
   info = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(info)
-  from scape_jax.optim import _scape_local_adam  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(_scape_local_adam, *info.REPLACEMENTS[kind])
   check_local_adam(0.1, 'local_adam_now', informed=kind)
   with pytest.raises(ValueError, match="kind='x'; allowed: mask, v"):

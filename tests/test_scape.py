@@ -188,7 +188,8 @@ def check_local_adam(density, variant, informed=None):
                            now=variant in ('local_adam_now',
                                            'local_adam_meanv'),
                            mean_v=variant == 'local_adam_meanv',
-                           informed=informed, density=density, eps=eps, clip=clip,
+                           informed=informed, density=density, eps=eps,
+                           clip=clip,
                            lr_fn=lambda i: float(lr_fn(i)))
   pending = 0
   for g in grads:

@@ -159,7 +159,8 @@ def mean_v_direction(m, v, count, num_workers: int, *, b1, b2, eps):
   the mean gradient over the N workers from one worker's bias-corrected
   moments m^, v^: m^**2 stands for the squared mean, v^ - m^**2 for the
   worker's own gradient variance, which the mean of N workers divides by
-  N. With one worker it is Adam's direction."""
+  N. With one worker v_mean = max(v^, m^**2): Adam's direction wherever
+  v^ >= m^**2, and |u| capped at 1 elsewhere."""
   t = count.astype(jnp.float32)
   m_hat = m / (1.0 - jnp.asarray(b1, jnp.float32) ** t)
   v_hat = v / (1.0 - jnp.asarray(b2, jnp.float32) ** t)
