@@ -20,9 +20,9 @@ Algorithm 1's, byte for byte.
 It follows the sparse-update oracle of `docs/results.md` (`current`: the k
 largest of this step's update move, by their pending update) with each
 worker's own gradient in place of the mean gradient and, as SCAPE must, the
-mask chosen one step before it is used. docs/design.md, "SCAPE variants
-'local_adam', 'local_adams', 'local_adam_now', 'local_adam_meanv'", says
-where they depart from the paper.
+mask chosen one step before it is used. docs/design.md ("SCAPE variants
+'local_adam', 'local_adams', 'local_adam_now'" and "SCAPE variant
+'local_adam_meanv'") says where they depart from the paper.
 """
 
 import functools
