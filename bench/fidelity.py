@@ -38,7 +38,7 @@ CONFIG = 'configs/shakespeare_llama_tiny.py'
 # The variants of scale_by_scape the study puts beside Algorithm 1.
 VARIANTS = ('fresh', 'carry', 'carry_v', 'carry_vi', 'stale', 'local',
             'local_stale', 'local_adam', 'local_adams', 'local_adam_now',
-            'local_adam_meanv')
+            'local_adam_meanv', 'local_adam_smoothv')
 SEEDS = (0, 1)
 
 
@@ -85,7 +85,8 @@ POINTS = [
      FAITHFUL + ('local_stale d=0.1', 'local_stale d=0.01',
                  'local_adam d=0.1', 'local_adam d=0.01',
                  'local_adam_now d=0.1', 'local_adam_now d=0.01',
-                 'local_adam_meanv d=0.1', 'local_adam_meanv d=0.01')),
+                 'local_adam_meanv d=0.1', 'local_adam_meanv d=0.01',
+                 'local_adam_smoothv d=0.1', 'local_adam_smoothv d=0.01')),
     ('lr', '1e-3', {'optimizer.lr': 1e-3}, FAITHFUL),
     ('lr', '1e-2', {'optimizer.lr': 1e-2}, FAITHFUL),
     ('warmup', '0', {'optimizer.scape.density_warmup_steps': 0}, FAITHFUL),

@@ -83,6 +83,11 @@ VARIANT_NOTES = {  # what each variant changes (docs/design.md has more)
                         'gradient\'s second moment from the worker\'s own '
                         'moments, m^2 + (v - m^2) / N, in place of the '
                         'worker\'s own v',
+    'local_adam_smoothv': 'is `local_adam_meanv` whose estimate takes the '
+                          'squared mean from a moving average of m^2 (a '
+                          'third per-worker moment) instead of this step\'s '
+                          'm, with the noise a moving average keeps '
+                          'accounted for',
 }
 
 

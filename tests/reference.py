@@ -160,7 +160,8 @@ class ScapeReference:
 class LocalAdamReference(ScapeReference):
   """N simulated workers running SCAPE's variant 'local_adam' or, with
   `adams`, 'local_adams', with `now`, 'local_adam_now', with `now` and
-  `mean_v`, 'local_adam_meanv' (docs/design.md):
+  `mean_v`, 'local_adam_meanv', with `now` and `smooth_v`,
+  'local_adam_smoothv' (docs/design.md):
   each worker clips its own gradient and runs Adam (AdamS:
   v = b2 m_{t-1}**2 + (1 - b2) g**2) on it per compressed leaf; its residual holds the updates not applied yet;
   the step at M is the mean of the workers' pending updates there, the next
@@ -168,15 +169,17 @@ class LocalAdamReference(ScapeReference):
   not compressed take Algorithm 1's dense AdamS."""
 
   def __init__(self, params, compressed, n, adams=False, now=False,
-               mean_v=False, informed=None, **kwargs):
+               mean_v=False, smooth_v=False, informed=None, **kwargs):
     super().__init__(params, compressed, n, **kwargs)
     self.adams, self.now, self.mean_v = adams, now, mean_v
+    self.smooth_v = smooth_v
     # The study's informed runs (bench/fidelity_information.py): 'mask',
     # masks from the workers' mean current update; 'v', v from the mean
     # (clipped) gradient.
     self.informed = informed
     self.m_local = [[np.zeros_like(p) for p in self.w] for _ in range(n)]
     self.v_local = [[np.zeros_like(p) for p in self.w] for _ in range(n)]
+    self.w_local = [[np.zeros_like(p) for p in self.w] for _ in range(n)]
 
   def step(self, worker_grads):
     self.t += 1
@@ -208,6 +211,13 @@ class LocalAdamReference(ScapeReference):
           v_hat = self.v_local[n][j] / c2
           if self.mean_v:  # the mean gradient's second moment, estimated
             v_hat = m_hat**2 + np.maximum(v_hat - m_hat**2, 0) / self.n
+          if self.smooth_v:  # ... from a moving average of m_hat**2
+            self.w_local[n][j] = b2 * self.w_local[n][j] + (1 - b2) * m_hat**2
+            w_hat = self.w_local[n][j] / c2
+            c = (1 - b1) / (1 + b1)
+            v_mean = w_hat + (1 / self.n - c) / (1 - c) * np.maximum(
+                v_hat - w_hat, 0)
+            v_hat = np.maximum(v_mean, v_hat / self.n)
           now = m_hat / (np.sqrt(v_hat) + eps)
           current.append([now if i == j else None
                           for i in range(len(self.w))])

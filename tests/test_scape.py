@@ -160,7 +160,9 @@ def test_matches_numpy_simulation_of_algorithm_1(density, variant):
                                              (0.01, 'local_adam'),
                                              (0.1, 'local_adams'),
                                              (0.1, 'local_adam_now'),
-                                             (0.1, 'local_adam_meanv')])
+                                             (0.1, 'local_adam_meanv'),
+                                             (0.1, 'local_adam_smoothv'),
+                                             (0.01, 'local_adam_smoothv')])
 def test_local_adam_matches_numpy(density, variant):
   """variants 'local_adam(s)' against `reference.LocalAdamReference`:
   params, residuals (pending updates), per-worker moments and masks, 8
@@ -186,8 +188,10 @@ def check_local_adam(density, variant, informed=None):
   ref = LocalAdamReference([params[k] for k in names], compressed, n,
                            adams=variant == 'local_adams',
                            now=variant in ('local_adam_now',
-                                           'local_adam_meanv'),
+                                           'local_adam_meanv',
+                                           'local_adam_smoothv'),
                            mean_v=variant == 'local_adam_meanv',
+                           smooth_v=variant == 'local_adam_smoothv',
                            informed=informed, density=density, eps=eps,
                            clip=clip,
                            lr_fn=lambda i: float(lr_fn(i)))
@@ -209,6 +213,9 @@ def check_local_adam(density, variant, informed=None):
                                    ref.e[w][j], rtol=2e-5, atol=1e-5)
         np.testing.assert_allclose(np.asarray(st.local_state[0][k])[w],
                                    ref.m_local[w][j], rtol=2e-5, atol=1e-7)
+        if variant == 'local_adam_smoothv':  # the moving average of m^**2
+          np.testing.assert_allclose(np.asarray(st.local_state[2][k])[w],
+                                     ref.w_local[w][j], rtol=2e-5, atol=1e-7)
         np.testing.assert_array_equal(bits[w], ref.chunk_mask(j, w))
         pending += int(np.sum(ref.e[w][j] != 0))
   assert pending > 0  # updates waited outside the mask

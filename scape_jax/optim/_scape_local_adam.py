@@ -1,6 +1,6 @@
-"""SCAPE variants 'local_adam', 'local_adams', 'local_adam_now' and
-'local_adam_meanv': sparse updates with error feedback on the wire of
-Algorithm 1.
+"""SCAPE variants 'local_adam', 'local_adams', 'local_adam_now',
+'local_adam_meanv' and 'local_adam_smoothv': sparse updates with error
+feedback on the wire of Algorithm 1.
 
 Each worker runs Adam ('local_adam': v the moving average of g**2) or AdamS
 ('local_adams': v = b2 m_{t-1}**2 + (1 - b2) g**2, no state of its own) on
@@ -11,8 +11,9 @@ pending update at the mask in force, its mean over the workers is the step
 there, and the next mask is the top-k of each worker's current update |u|
 in its own chunk. 'local_adam_now' uses this step's mask, chosen from this
 step's update before the exchange, which then waits for the mask
-all-gather; 'local_adam_meanv' is 'local_adam_now' whose v estimates the
-mean gradient's second moment (`mean_v_direction`). Leaves that are never
+all-gather; 'local_adam_meanv' and 'local_adam_smoothv' are
+'local_adam_now' whose v estimates the mean gradient's second moment
+(`mean_v_direction`, `smooth_v_direction`). Leaves that are never
 compressed (norms, biases) take Algorithm 1's dense path (m~ exchanged in
 full, AdamS's direction). The masks, the payload and the collectives are
 Algorithm 1's, byte for byte.
@@ -21,8 +22,9 @@ It follows the sparse-update oracle of `docs/results.md` (`current`: the k
 largest of this step's update move, by their pending update) with each
 worker's own gradient in place of the mean gradient and, as SCAPE must, the
 mask chosen one step before it is used. docs/design.md ("SCAPE variants
-'local_adam', 'local_adams', 'local_adam_now'" and "SCAPE variant
-'local_adam_meanv'") says where they depart from the paper.
+'local_adam', 'local_adams', 'local_adam_now'" and "SCAPE variants
+'local_adam_meanv', 'local_adam_smoothv'") says where they depart from the
+paper.
 """
 
 import functools
@@ -38,17 +40,19 @@ from scape_jax.optim import _scape
 
 
 # The variants whose mask is used in the step that chooses it.
-_THIS_STEP = ('local_adam_now', 'local_adam_meanv')
+_THIS_STEP = ('local_adam_now', 'local_adam_meanv', 'local_adam_smoothv')
 
 
 def init_local_state(variant: str, params, plan, per_worker) -> tuple:
   """Each worker's moments of its own gradient, per compressed leaf: (m,)
-  for 'local_adams', else (m, v)."""
+  for 'local_adams', (m, v, w) for 'local_adam_smoothv' (w: the moving
+  average of m^**2), else (m, v)."""
   zeros = [optax.MaskedNode() if layout is None else
            per_worker(jnp.zeros(p.shape, jnp.float32))
            for p, layout in zip(jax.tree.leaves(params), plan.layouts)]
   tree = plan.treedef.unflatten(zeros)
-  return (tree,) if variant == 'local_adams' else (tree, tree)
+  count = {'local_adams': 1, 'local_adam_smoothv': 3}.get(variant, 2)
+  return (tree,) * count
 
 
 def update(grads, state, level: int, *, plan, hyper, schedule):
@@ -100,38 +104,54 @@ def _local_updates(grad_leaves, state, count, plan, hyper) -> tuple:
   """(payload per leaf, the new local moments, the current update u).
 
   A compressed leaf sends its pending update e + u, where u is the worker's
-  own Adam (AdamS for 'local_adams') direction; a dense leaf sends
-  Algorithm 1's m~ = b1 m + (1 - b1) g in full (u: None).
+  own direction (`_local_step`); a dense leaf sends Algorithm 1's
+  m~ = b1 m + (1 - b1) g in full (u: None).
   """
-  b1, b2 = hyper.b1, hyper.b2
-  adams = hyper.variant == 'local_adams'
+  b1 = hyper.b1
   flat = plan.treedef.flatten_up_to
   mu, pending = flat(state.mu), flat(state.residual)
-  m_local = flat(state.local_state[0])
-  v_local = None if adams else flat(state.local_state[1])
-  sent, new_m, new_v, current = [], [], [], []
+  previous = [flat(tree) for tree in state.local_state]
+  sent, moments, current = [], tuple([] for _ in previous), []
   for j, g in enumerate(grad_leaves):
     if plan.layouts[j] is None:
       sent.append(b1 * mu[j] + (1.0 - b1) * g)
-      new_m.append(optax.MaskedNode())
-      new_v.append(optax.MaskedNode())
+      for tree in moments:
+        tree.append(optax.MaskedNode())
       current.append(None)
       continue
-    m = b1 * m_local[j][0] + (1.0 - b1) * g
-    previous = m_local[j][0] * m_local[j][0] if adams else v_local[j][0]
-    g_v = second_moment_gradient(g, hyper.axis_name)
-    v = b2 * previous + (1.0 - b2) * g_v * g_v
-    if hyper.variant == 'local_adam_meanv':
-      u = mean_v_direction(m, v, count, plan.num_workers, b1=b1, b2=b2,
-                           eps=hyper.eps)
-    else:
-      u = _common.bias_corrected_direction(m, v, count, b1=b1, b2=b2,
-                                           eps=hyper.eps)
+    new, u = _local_step(g, [x[j][0] for x in previous], count,
+                         plan.num_workers, hyper)
     sent.append(pending[j][0] + u)
-    new_m.append(m)
-    new_v.append(v)
+    for tree, x in zip(moments, new):
+      tree.append(x)
     current.append(u)
-  return sent, ((new_m,) if adams else (new_m, new_v)), current
+  return sent, moments, current
+
+
+def _local_step(g, previous: list, count, num_workers: int, hyper) -> tuple:
+  """(new moments, u): one worker's moments of one leaf from its gradient
+  `g`, and its direction, per variant (`init_local_state` has the moments).
+  """
+  b1, b2, eps = hyper.b1, hyper.b2, hyper.eps
+  m = b1 * previous[0] + (1.0 - b1) * g
+  g_v = second_moment_gradient(g, hyper.axis_name)
+  if hyper.variant == 'local_adams':  # AdamS's v: no state of its own
+    v = b2 * previous[0] * previous[0] + (1.0 - b2) * g_v * g_v
+    return (m,), _common.bias_corrected_direction(m, v, count, b1=b1, b2=b2,
+                                                  eps=eps)
+  v = b2 * previous[1] + (1.0 - b2) * g_v * g_v
+  t = count.astype(jnp.float32)
+  c1 = 1.0 - jnp.asarray(b1, jnp.float32) ** t
+  c2 = 1.0 - jnp.asarray(b2, jnp.float32) ** t
+  if hyper.variant == 'local_adam_meanv':
+    return (m, v), mean_v_direction(m / c1, v / c2, num_workers, eps=eps)
+  if hyper.variant == 'local_adam_smoothv':
+    m_hat = m / c1
+    w = b2 * previous[2] + (1.0 - b2) * m_hat * m_hat
+    return (m, v, w), smooth_v_direction(m_hat, v / c2, w / c2, num_workers,
+                                         b1=b1, eps=eps)
+  return (m, v), _common.bias_corrected_direction(m, v, count, b1=b1, b2=b2,
+                                                  eps=eps)
 
 
 # The two statistics a worker computes from its own gradient alone. They
@@ -153,19 +173,37 @@ def second_moment_gradient(g: jax.Array, axis_name) -> jax.Array:
   return g
 
 
-def mean_v_direction(m, v, count, num_workers: int, *, b1, b2, eps):
-  """'local_adam_meanv's direction m^ / (sqrt(v_mean) + eps), where
+def mean_v_direction(m_hat, v_hat, num_workers: int, *, eps):
+  """'local_adam_meanv's direction m^ / (sqrt(v_mean) + eps) from one
+  worker's bias-corrected moments m^, v^, where
   v_mean = m^**2 + max(v^ - m^**2, 0) / N estimates the second moment of
-  the mean gradient over the N workers from one worker's bias-corrected
-  moments m^, v^: m^**2 stands for the squared mean, v^ - m^**2 for the
-  worker's own gradient variance, which the mean of N workers divides by
-  N. With one worker v_mean = max(v^, m^**2): Adam's direction wherever
-  v^ >= m^**2, and |u| capped at 1 elsewhere."""
-  t = count.astype(jnp.float32)
-  m_hat = m / (1.0 - jnp.asarray(b1, jnp.float32) ** t)
-  v_hat = v / (1.0 - jnp.asarray(b2, jnp.float32) ** t)
+  the mean gradient over the N workers: m^**2 stands for the squared mean,
+  v^ - m^**2 for the worker's own gradient variance, which the mean of N
+  workers divides by N. With one worker v_mean = max(v^, m^**2): Adam's
+  direction wherever v^ >= m^**2, and |u| capped at 1 elsewhere."""
   signal = m_hat * m_hat
   v_mean = signal + jnp.maximum(v_hat - signal, 0.0) / num_workers
+  return m_hat / (jnp.sqrt(v_mean) + eps)
+
+
+def smooth_v_direction(m_hat, v_hat, w_hat, num_workers: int, *, b1, eps):
+  """'local_adam_smoothv's direction m^ / (sqrt(v_mean) + eps).
+
+  `w_hat` is the bias-corrected moving average (rate b2) of m^**2. For a
+  gradient of mean mu and per-worker variance s2, v^ ~ mu**2 + s2 and
+  w^ ~ mu**2 + c s2 with c = (1 - b1) / (1 + b1), the variance a moving
+  average of rate b1 keeps; so s2 ~ (v^ - w^) / (1 - c), and the mean
+  gradient's second moment mu**2 + s2 / N is
+  v_mean = w^ + (1 / N - c) / (1 - c) * max(v^ - w^, 0), kept at least
+  v^ / N (the steps at most sqrt(N) times Adam's). Unlike
+  `mean_v_direction`'s, this v_mean is a moving average, not a function
+  of this step's m^, so |u| ranks a chunk by more than m^**2 / v^. With
+  one worker v_mean = max(v^, w^).
+  """
+  c = (1.0 - b1) / (1.0 + b1)
+  spread = jnp.maximum(v_hat - w_hat, 0.0)
+  v_mean = w_hat + (1.0 / num_workers - c) / (1.0 - c) * spread
+  v_mean = jnp.maximum(v_mean, v_hat / num_workers)
   return m_hat / (jnp.sqrt(v_mean) + eps)
 
 

@@ -36,8 +36,11 @@ import jax.numpy as jnp
 #   chooses it (the payload's all-reduce waits for the masks' all-gather).
 # 'local_adam_meanv': 'local_adam_now' whose v estimates the mean gradient's
 #   second moment, m^2 + (v - m^2) / N, from each worker's own moments.
+# 'local_adam_smoothv': 'local_adam_meanv' whose estimate takes the squared
+#   mean from a moving average of m^2 (a third per-worker moment), not from
+#   this step's m.
 LOCAL_OPTIMIZERS = ('local_adam', 'local_adams', 'local_adam_now',
-                    'local_adam_meanv')
+                    'local_adam_meanv', 'local_adam_smoothv')
 VARIANTS = ('faithful', 'fresh', 'carry', 'carry_v', 'carry_vi', 'stale',
             'local', 'local_stale') + LOCAL_OPTIMIZERS
 
