@@ -263,16 +263,13 @@ def figure_runs() -> list:
                    {'register_topk': [kwargs], 'log_every': 5}))
   runs.append(('fig6_overlap_adams', {'optimizer.name': 'overlap_adams',
                                       'steps': FIG6_STEPS}, {'log_every': 1}))
-  for alt in ORACLES:
-    for b2 in ((0.95, 0.999) if alt in ('pending', 'current') else (0.95,)):
-      for seed in SEEDS:
-        for density in (0.1, 0.01):
-          kwargs = dict(base='adams', stage='update', density=density,
-                        warmup_steps=50, **ORACLES[alt])
-          runs.append((oracle_key(density, b2, seed, alt),
-                       {'optimizer.name': oracle_method(density, alt),
-                        'optimizer.b2': b2, 'seed': seed},
-                       {'register_topk': [kwargs]}))
+  for alt, b2, density, seed in oracle_runs():
+    kwargs = dict(base='adams', stage='update', density=density,
+                  warmup_steps=50, **ORACLES[alt])
+    runs.append((oracle_key(density, b2, seed, alt),
+                 {'optimizer.name': oracle_method(density, alt),
+                  'optimizer.b2': b2, 'seed': seed},
+                 {'register_topk': [kwargs]}))
   for kind in INFORMED:
     for seed in SEEDS:
       for density in (0.1, 0.01):
@@ -296,6 +293,14 @@ def informed_key(kind: str, density: float, seed: int) -> str:
 # alone; 'random') and how far (x2: twice the pending update).
 ORACLES = {'pending': {}, 'current': {'rule': 'current'},
            'random': {'rule': 'random'}, 'x2': {'step_scale': 2.0}}
+
+
+def oracle_runs() -> list:
+  """[(alt, b2, density, seed)]: the oracle runs `figures` makes."""
+  return [(alt, b2, density, seed) for alt in ORACLES
+          for b2 in ((0.95, 0.999) if alt in ('pending', 'current')
+                     else (0.95,))
+          for seed in SEEDS for density in (0.1, 0.01)]
 
 
 def oracle_method(density: float, alt: str = 'pending') -> str:

@@ -37,13 +37,11 @@ def oracle_table(out: str, grid: dict) -> list:
   """The sparse-update oracle against AdamS at the same b2 and seed."""
   lines = ['| run | b2 | density | seed | eval loss | vs AdamS (same seed) |',
            '|---|---|---|---|---|---|']
-  for key, overrides, _ in fidelity.figure_runs():
-    if not key.startswith('oracle_'):
+  for alt, b2, density, seed in fidelity.oracle_runs():
+    if alt != 'pending':
       continue
+    key = fidelity.oracle_key(density, b2, seed)
     result = load_result(out, key)
-    b2 = overrides.get('optimizer.b2', 0.95)
-    seed = overrides.get('seed', 0)
-    density = key.split('_d')[1].split('_')[0]
     head = f'| {key} | {b2} | {density} | {seed} |'
     if result is None:
       lines.append(f'{head} not run | |')
@@ -171,13 +169,10 @@ def oracle_variations(out: str, grid: dict) -> list:
       '| variation | b2 | density | seed | eval loss | vs AdamS | minus the '
       'oracle |', '|---|---|---|---|---|---|---|']
   beaten, compared = [], 0
-  for key, overrides, extra in fidelity.figure_runs():
-    if not key.startswith('oracle-'):
+  for alt, b2, density, seed in fidelity.oracle_runs():
+    if alt == 'pending':
       continue
-    alt = key.split('_d')[0].partition('-')[2]
-    b2, seed = overrides['optimizer.b2'], overrides['seed']
-    density = extra['register_topk'][0]['density']
-    result = load_result(out, key)
+    result = load_result(out, fidelity.oracle_key(density, b2, seed, alt))
     ref = load_result(out, fidelity.oracle_key(density, b2, seed))
     base = _adams(grid, b2).get(seed)
     head = f'| {alt} | {b2} | {density} | {seed} |'
@@ -205,13 +200,10 @@ def oracle_verdict(out: str, grid: dict) -> list:
   """Per b2 and density, the oracle (or variation of it, `fidelity.ORACLES`)
   closest to AdamS, against issue 12's targets."""
   found = {}  # (b2, density) -> alt -> [gap per seed]
-  for key, overrides, _ in fidelity.figure_runs():
-    result = load_result(out, key)
-    if not key.startswith('oracle') or result is None:
+  for alt, b2, density, seed in fidelity.oracle_runs():
+    result = load_result(out, fidelity.oracle_key(density, b2, seed, alt))
+    if result is None:
       continue
-    alt = key.split('_d')[0].partition('-')[2] or 'pending'
-    b2, seed = overrides['optimizer.b2'], overrides.get('seed', 0)
-    density = float(key.split('_d')[1].split('_')[0])
     base = _adams(grid, b2).get(seed)
     if base:
       found.setdefault((b2, density), {}).setdefault(alt, []).append(
