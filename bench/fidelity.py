@@ -113,6 +113,14 @@ def run_key(overrides: dict) -> str:
   return re.sub(r'[^A-Za-z0-9_.=,+-]', '_', text)
 
 
+# More seeds at the base point for the methods that issue 12's targets
+# are judged on: two seeds showed a seed-to-seed spread of the gap as large
+# as the targets, so the mean gap needs more than two.
+EXTRA_SEEDS = (2, 3, 4)
+EXTRA_SEED_METHODS = ('AdamS', 'SCAPE d=0.1', 'SCAPE d=0.01',
+                      'local_adam_smoothv d=0.1', 'local_adam_smoothv d=0.01')
+
+
 def grid_runs() -> list:
   """[(point, method, seed, overrides)] in the order they run."""
   out = []
@@ -121,6 +129,9 @@ def grid_runs() -> list:
       for method in names:
         out.append(((axis, value), method, seed,
                     dict(point, **method_overrides(method, seed))))
+  for seed in EXTRA_SEEDS:
+    for method in EXTRA_SEED_METHODS:
+      out.append((('base', ''), method, seed, method_overrides(method, seed)))
   return out
 
 
@@ -337,7 +348,7 @@ def main():
     p.add_argument('--only', default='',
                    help='regex on "axis=value method" (grid) or on the run '
                    'name (figures)')
-    p.add_argument('--seeds', default=','.join(map(str, SEEDS)),
+    p.add_argument('--seeds', default=','.join(map(str, SEEDS + EXTRA_SEEDS)),
                    help='comma-separated seeds to run (grid only)')
   one = sub.add_parser('one')
   one.add_argument('spec')
