@@ -16,9 +16,35 @@ def seed_gaps(runs: dict, method: str) -> dict:
           for s, r in sorted(runs.get(method, {}).items()) if s in base}
 
 
+def mean_and_error(values) -> tuple:
+  """(mean, standard error of the mean; 0 for one value)."""
+  values = list(values)
+  mean = sum(values) / len(values)
+  if len(values) < 2:
+    return mean, 0.0
+  var = sum((x - mean) ** 2 for x in values) / (len(values) - 1)
+  return mean, (var / len(values)) ** 0.5
+
+
+def _target_cell(gaps: dict, target: float) -> tuple:
+  """A cell of the targets table and how it stands: 'every seed', 'mean'
+  (the mean gap within the target, not every seed) or None."""
+  mean, error = mean_and_error(gaps.values())
+  if all(x <= target for x in gaps.values()):
+    verdict, ok = '**meets**, every seed', 'every seed'
+  elif mean <= target:
+    verdict, ok = '**meets on the mean**, not every seed', 'mean'
+  else:
+    verdict, ok = 'misses', None
+  seeds = ', '.join(f's{k} {100 * x:+.1f}' for k, x in gaps.items())
+  spread = f' +- {100 * error:.1f}' if len(gaps) > 1 else ''
+  return f'{100 * mean:+.1f}%{spread} ({seeds}; {verdict})', ok
+
+
 def targets_text(grid: dict) -> list:
   """Algorithm 1 and each variant against issue 12's targets, per b2 and
-  density: a table of the per-seed gaps, then where a target is met."""
+  density: a table of the mean and per-seed gaps, then where a target is
+  met on every seed and where on the mean over the seeds only."""
   columns = [((axis, value), label, density, target)
              for (axis, value), label in ((('base', ''), '0.95'),
                                           (('b2', '0.999'), '0.999'))
@@ -27,7 +53,7 @@ def targets_text(grid: dict) -> list:
       f'b2 = {label}, d = {density} (target {100 * target:.0f}%)'
       for _, label, density, target in columns) + ' |',
            '|---|' + '---|' * len(columns)]
-  met = []
+  met = {'every seed': [], 'mean': []}
   for name in ('SCAPE',) + fidelity.VARIANTS:
     cells = []
     for point, label, density, target in columns:
@@ -35,16 +61,23 @@ def targets_text(grid: dict) -> list:
       if not g:
         cells.append('not run')
         continue
-      ok = all(x <= target for x in g.values())
-      cells.append(', '.join(f's{k} {100 * x:+.1f}%' for k, x in g.items())
-                   + f' ({"**meets**" if ok else "misses"})')
+      cell, ok = _target_cell(g, target)
+      cells.append(cell)
       if ok:
-        met.append(f'{name} at b2 = {label}, d = {density}')
+        met[ok].append(f'{name} at b2 = {label}, d = {density} '
+                       f'({len(g)} seeds)')
     lines.append(f'| {"SCAPE (Algorithm 1)" if name == "SCAPE" else name} | '
                  + ' | '.join(cells) + ' |')
-  lines += ['', ('Targets met (every seed run): ' + '; '.join(met) + '.')
-            if met else 'No method meets a target at any measured (b2, d): '
-            'every cell above misses, for every seed run.']
+  lines.append('')
+  if met['every seed']:
+    lines.append('Targets met on every seed run: ' +
+                 '; '.join(met['every seed']) + '.')
+  if met['mean']:
+    lines.append('Targets met by the mean gap over the seeds run, not on '
+                 'every seed: ' + '; '.join(met['mean']) + '.')
+  if not met['every seed'] and not met['mean']:
+    lines.append('No method meets a target at any measured (b2, d), on '
+                 'every seed or on the mean.')
   return lines
 
 

@@ -257,3 +257,32 @@ def test_horizon_gaps_compare_each_run_with_adams_on_its_seed(tmp_path):
       grid, str(tmp_path / 'h.png'), lambda fig, path: saved.append(path))
   assert saved and table[2].startswith('| 400 steps | 0 | SCAPE d=0.1 | ')
   assert f'{100 * (0.5 - 301 / 800):+.1f}%' in table[2]
+
+
+def test_targets_table_judges_every_seed_and_the_mean(monkeypatch):
+  """`fidelity_variants.targets_text`: a cell's mean and standard error
+  against `statistics`, and the three verdicts."""
+  import statistics  # pylint: disable=g-import-not-at-top
+  import fidelity_variants  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(fidelity_variants.fidelity, 'VARIANTS', ('v',))
+  adams = {s: {'eval_loss': 2.0} for s in range(5)}
+  gaps = {  # per-seed gap at d = 0.1 (target 2%) and d = 0.01 (5%)
+      'SCAPE d=0.1': [0.10, 0.20], 'SCAPE d=0.01': [0.01, 0.04],
+      'v d=0.1': [-0.01, 0.05, 0.0, 0.02, 0.01], 'v d=0.01': [0.06, 0.09]}
+  base = {'AdamS': adams, **{m: {s: {'eval_loss': 2.0 * (1 + g)}
+                                 for s, g in enumerate(v)}
+                             for m, v in gaps.items()}}
+  lines = fidelity_variants.targets_text({('base', ''): base})
+  values = gaps['v d=0.1']
+  error = statistics.stdev(values) / len(values) ** 0.5
+  mean = f'{100 * statistics.mean(values):+.1f}% +- {100 * error:.1f}'
+  row = lines[3].split(' | ')
+  assert row[1].startswith(mean) and 'meets on the mean**, not every' in row[1]
+  assert 's1 +5.0' in row[1] and 'misses' in row[2] and row[3] == 'not run'
+  faithful = lines[2].split(' | ')
+  assert 'misses' in faithful[1] and '**meets**, every seed' in faithful[2]
+  assert lines[5] == ('Targets met on every seed run: SCAPE at b2 = 0.95, '
+                      'd = 0.01 (2 seeds).')
+  assert lines[6].startswith('Targets met by the mean gap over the seeds '
+                             'run, not on every seed: v at b2 = 0.95, d = '
+                             '0.1 (5 seeds)')
