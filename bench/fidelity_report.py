@@ -72,12 +72,15 @@ def _fmt_gap(values: list) -> str:
 
 
 def _extra_seeds_text() -> str:
-  """Which methods have more seeds at the base point than the others."""
-  names = sorted({m.split(' d=')[0] for m in fidelity.EXTRA_SEED_METHODS})
-  every = fidelity.SEEDS + fidelity.EXTRA_SEEDS
-  return (f'seeds {", ".join(map(str, every))} for ' + ', '.join(
-      f'`{n}`' for n in names) + ', seeds ' +
-          ', '.join(map(str, fidelity.SEEDS)) + ' for the others')
+  """Which methods have more seeds than the others, and where."""
+  every = ', '.join(map(str, fidelity.SEEDS + fidelity.EXTRA_SEEDS))
+  parts = []
+  for (axis, value), methods in fidelity.EXTRA_SEED_METHODS.items():
+    names = ', '.join(f'`{m}`' for m in methods if m != 'AdamS')
+    parts.append(f'{"the base point" if axis == "base" else axis + "=" + value}'
+                 f': {names}')
+  return (f'seeds {every} for ' + '; '.join(parts) + ' (and AdamS there); '
+          'seeds ' + ', '.join(map(str, fidelity.SEEDS)) + ' elsewhere')
 
 
 def gap_table(grid: dict) -> list:
@@ -428,8 +431,7 @@ def write(out: str) -> None:
   lines += ['', '**Against the targets of issue 12** (a variant within '
             '2% of AdamS at d = 0.1 and 5% at d = 0.01; each cell: the mean '
             'gap over the seeds run +- its standard error, then the gap per '
-            'seed, s0 = seed 0; at the base point ' + _extra_seeds_text() +
-            '):', '']
+            'seed, s0 = seed 0; ' + _extra_seeds_text() + '):', '']
   lines += targets_text(grid)
   lines += ['', '![gap per axis](bench/fidelity_gaps.png)', '']
   lines += ['**The gap over training** (the `steps` points and the base: '
