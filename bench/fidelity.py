@@ -288,22 +288,27 @@ def figure_runs() -> list:
                  {'optimizer.name': oracle_method(density, alt),
                   'optimizer.b2': b2, 'seed': seed},
                  {'register_topk': [kwargs]}))
-  for kind in INFORMED:
+  for kind, variant in INFORMED:
     for seed in SEEDS:
       for density in (0.1, 0.01):
-        runs.append((informed_key(kind, density, seed),
-                     dict(_scape(density, 'local_adam_now'), seed=seed),
+        runs.append((informed_key(kind, density, seed, variant),
+                     dict(_scape(density, variant), seed=seed),
                      {'inform': kind}))
   return runs
 
 
-# The informed runs (bench/fidelity_information.py): 'local_adam_now' with
-# one statistic of the mean gradient given to every worker.
-INFORMED = ('mask', 'v')
+# The informed runs (bench/fidelity_information.py): a variant with one
+# statistic of the mean gradient given to every worker, (kind, variant).
+INFORMED = (('mask', 'local_adam_now'), ('v', 'local_adam_now'),
+            ('mask', 'local_adam_smoothv'))
 
 
-def informed_key(kind: str, density: float, seed: int) -> str:
-  return f'informed-{kind}_d{density}' + (f'_seed{seed}' if seed else '')
+def informed_key(kind: str, density: float, seed: int,
+                 variant: str = 'local_adam_now') -> str:
+  rule = '' if variant == 'local_adam_now' else '-' + variant[
+      len('local_adam_'):]
+  return (f'informed-{kind}{rule}_d{density}' +
+          (f'_seed{seed}' if seed else ''))
 
 
 # The oracle ('pending') and the variations that test what it assumes: which

@@ -115,16 +115,17 @@ def workers_text(grid: dict) -> list:
 
 
 def informed_text(out: str, grid: dict) -> list:
-  """'local_adam_now' given one of the mean gradient's statistics
+  """A variant given one of the mean gradient's statistics
   (bench/fidelity_information.py), against the same rule without it."""
   adams, base = _adams(grid, 0.95), grid.get(('base', ''), {})
   rows, deltas = [], {}
-  for kind in fidelity.INFORMED:
+  for kind, variant in fidelity.INFORMED:
     for density in (0.1, 0.01):
-      plain = seed_gaps(base, f'local_adam_now d={density}')
+      plain = seed_gaps(base, f'{variant} d={density}')
       cells = []
       for seed in fidelity.SEEDS:
-        result = load_result(out, fidelity.informed_key(kind, density, seed))
+        result = load_result(out, fidelity.informed_key(kind, density, seed,
+                                                        variant))
         if result is None or seed not in adams:
           cells.append(f's{seed} not run')
           continue
@@ -132,22 +133,23 @@ def informed_text(out: str, grid: dict) -> list:
         cells.append(f's{seed} {100 * gap:+.1f}%' + (
             f' ({100 * (gap - plain[seed]):+.1f})' if seed in plain else ''))
         if seed in plain:
-          deltas.setdefault(density, []).append(100 * (gap - plain[seed]))
-      rows.append(f'| {kind} | {density} | {", ".join(cells)} |')
+          deltas.setdefault((variant, density), []).append(
+              100 * (gap - plain[seed]))
+      rows.append(f'| {kind} | `{variant}` | {density} | {", ".join(cells)} |')
   return [
-      '**What the workers miss, measured.** `local_adam_now` with one '
-      'statistic of the mean gradient handed to every worker through a '
-      'dense all-reduce that SCAPE\'s wire does not have '
-      '(`bench/fidelity_information.py`): `mask`, each worker\'s mask is '
-      'the top-k of the mean over the workers of their current updates; '
-      '`v`, Adam\'s v averages the square of the mean gradient. Gap to '
-      'AdamS at b2 = 0.95 (same seed), and in brackets minus '
-      '`local_adam_now`\'s (points):', '',
-      '| given | density | per seed |', '|---|---|---|'] + rows + [''] + [
-          f'At d = {d}, a statistic of the mean gradient moves '
-          f'`local_adam_now` by {min(v):+.1f} to {max(v):+.1f} points '
-          f'({len(v)} runs).' for d, v in sorted(deltas.items(),
-                                                  reverse=True)]
+      '**What the workers miss, measured.** A variant with one statistic of '
+      'the mean gradient handed to every worker through a dense all-reduce '
+      'that SCAPE\'s wire does not have (`bench/fidelity_information.py`): '
+      '`mask`, each worker\'s mask is the top-k of the mean over the '
+      'workers of their current updates; `v`, Adam\'s v averages the square '
+      'of the mean gradient. Gap to AdamS at b2 = 0.95 (same seed), and in '
+      'brackets minus the same variant\'s without it (points):', '',
+      '| given | variant | density | per seed |', '|---|---|---|---|'
+  ] + rows + [''] + [
+      f'At d = {d}, a statistic of the mean gradient moves `{variant}` by '
+      f'{min(v):+.1f} to {max(v):+.1f} points ({len(v)} runs).'
+      for (variant, d), v in sorted(deltas.items(),
+                                    key=lambda x: (x[0][0], -x[0][1]))]
 
 
 def _fmt_seeds(g: dict) -> str:

@@ -201,9 +201,11 @@ def test_grid_keys_share_identical_runs_and_every_point_has_adams():
     assert 'AdamS' in names and len(fidelity.SEEDS) == 2, (axis, value)
 
 
-@pytest.mark.parametrize('kind', ['mask', 'v'])
-def test_informed_local_adam_matches_numpy(kind, monkeypatch):
-  """bench/fidelity_information.py: 'local_adam_now' with the workers' mean
+@pytest.mark.parametrize('kind,variant', [('mask', 'local_adam_now'),
+                                          ('v', 'local_adam_now'),
+                                          ('mask', 'local_adam_smoothv')])
+def test_informed_local_adam_matches_numpy(kind, variant, monkeypatch):
+  """bench/fidelity_information.py: a variant with the workers' mean
   update as the mask's scores, or the mean gradient in v, against
   `reference.LocalAdamReference(informed=kind)`."""
   spec = importlib.util.spec_from_file_location(
@@ -211,7 +213,7 @@ def test_informed_local_adam_matches_numpy(kind, monkeypatch):
   info = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(info)
   monkeypatch.setattr(_scape_local_adam, *info.REPLACEMENTS[kind])
-  check_local_adam(0.1, 'local_adam_now', informed=kind)
+  check_local_adam(0.1, variant, informed=kind)
   with pytest.raises(ValueError, match="kind='x'; allowed: mask, v"):
     info.inform('x')
 
