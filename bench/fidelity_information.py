@@ -1,4 +1,4 @@
-"""What 'local_adam_now' lacks on eight workers, measured (study only).
+"""What the local variants lack on eight workers, measured (study only).
 
 `inform(kind)` hands every worker one statistic of the *mean* gradient in
 place of its own, through a dense all-reduce that Algorithm 1's wire does
@@ -9,10 +9,11 @@ not have (the runs' byte counts leave it out):
   'v': Adam's v averages the square of the mean of the workers' (clipped)
     gradients, not of the worker's own.
 
-The rest of the rule is 'local_adam_now''s. A run that closes the gap with
-one of these says that what the workers miss is that statistic; a rule on
-Algorithm 1's wire has only the k exchanged values per chunk to estimate
-it from. Each study run is its own process, so `inform` replaces the
+The rest of the rule is the variant's ('local_adam_now', or
+'local_adam_smoothv' for 'mask': `fidelity.INFORMED`). A run that closes
+the gap with one of these says that what the workers miss is that
+statistic; a rule on Algorithm 1's wire has only the k exchanged values per
+chunk to estimate it from. Each study run is its own process, so `inform` replaces the
 statistic of `scape_jax.optim._scape_local_adam` for the whole process.
 """
 
