@@ -13,8 +13,9 @@ The rest of the rule is the variant's ('local_adam_now', or
 'local_adam_smoothv' for 'mask': `fidelity.INFORMED`). A run that closes
 the gap with one of these says that what the workers miss is that
 statistic; a rule on Algorithm 1's wire has only the k exchanged values per
-chunk to estimate it from. Each study run is its own process, so `inform` replaces the
-statistic of `scape_jax.optim._scape_local_adam` for the whole process.
+chunk to estimate it from. Each study run is its own process, so `inform`
+replaces the statistic of `scape_jax.optim._scape_local_adam` for the whole
+process.
 """
 
 import jax
