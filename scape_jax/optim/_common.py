@@ -85,14 +85,19 @@ def check_int(where: str, name: str, value, low: int,
     raise ValueError(f'{where}: {name}={value!r} must be {allowed}{why}.')
 
 
+def bias_corrections(count, b1, b2) -> tuple:
+  """(1 - b1^t, 1 - b2^t) in float32 for step t = count."""
+  t = count.astype(jnp.float32)
+  return (1.0 - jnp.asarray(b1, jnp.float32) ** t,
+          1.0 - jnp.asarray(b2, jnp.float32) ** t)
+
+
 def bias_corrected_direction(mu, nu, count, *, b1, b2, eps):
   """`(mu / (1 - b1^t)) / (sqrt(nu / (1 - b2^t)) + eps)` for step t = count.
 
   `mu` and `nu` are trees (or lists) of the same structure.
   """
-  t = count.astype(jnp.float32)
-  c1 = 1.0 - jnp.asarray(b1, jnp.float32) ** t
-  c2 = 1.0 - jnp.asarray(b2, jnp.float32) ** t
+  c1, c2 = bias_corrections(count, b1, b2)
   return jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v / c2) + eps), mu, nu)
 
 

@@ -140,9 +140,7 @@ def _local_step(g, previous: list, count, num_workers: int, hyper) -> tuple:
     return (m,), _common.bias_corrected_direction(m, v, count, b1=b1, b2=b2,
                                                   eps=eps)
   v = b2 * previous[1] + (1.0 - b2) * g_v * g_v
-  t = count.astype(jnp.float32)
-  c1 = 1.0 - jnp.asarray(b1, jnp.float32) ** t
-  c2 = 1.0 - jnp.asarray(b2, jnp.float32) ** t
+  c1, c2 = _common.bias_corrections(count, b1, b2)
   if hyper.variant == 'local_adam_meanv':
     return (m, v), mean_v_direction(m / c1, v / c2, num_workers, eps=eps)
   if hyper.variant == 'local_adam_smoothv':
