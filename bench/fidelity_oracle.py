@@ -7,6 +7,7 @@ import os
 
 import fidelity
 from fidelity_variants import TARGETS
+from fidelity_variants import gap
 from fidelity_variants import seed_gaps
 
 
@@ -47,7 +48,7 @@ def oracle_table(out: str, grid: dict) -> list:
       lines.append(f'{head} not run | |')
       continue
     base = _adams(grid, b2).get(seed)
-    vs = (f'{100 * (result["eval_loss"] / base["eval_loss"] - 1):+.1f}%'
+    vs = (f'{100 * gap(result, base):+.1f}%'
           if base else 'AdamS not run')
     lines.append(f'{head} {result["eval_loss"]:.3f} | {vs} |')
   return lines
@@ -129,12 +130,12 @@ def informed_text(out: str, grid: dict) -> list:
         if result is None or seed not in adams:
           cells.append(f's{seed} not run')
           continue
-        gap = result['eval_loss'] / adams[seed]['eval_loss'] - 1
-        cells.append(f's{seed} {100 * gap:+.1f}%' + (
-            f' ({100 * (gap - plain[seed]):+.1f})' if seed in plain else ''))
+        g = gap(result, adams[seed])
+        cells.append(f's{seed} {100 * g:+.1f}%' + (
+            f' ({100 * (g - plain[seed]):+.1f})' if seed in plain else ''))
         if seed in plain:
           deltas.setdefault((variant, density), []).append(
-              100 * (gap - plain[seed]))
+              100 * (g - plain[seed]))
       rows.append(f'| {kind} | `{variant}` | {density} | {", ".join(cells)} |')
   return [
       '**What the workers miss, measured.** A variant with one statistic of '
@@ -181,14 +182,14 @@ def oracle_variations(out: str, grid: dict) -> list:
     if result is None or base is None:
       lines.append(f'{head} not run | | |')
       continue
-    gap = result['eval_loss'] / base['eval_loss'] - 1
+    g = gap(result, base)
     vs = '-'
     if ref is not None:
-      delta = 100 * (gap - (ref['eval_loss'] / base['eval_loss'] - 1))
+      delta = 100 * (g - gap(ref, base))
       vs, compared = f'{delta:+.1f}', compared + 1
       if delta < 0:
         beaten.append(f'{alt} b2={b2} d={density} s{seed} ({delta:+.1f})')
-    lines.append(f'{head} {result["eval_loss"]:.3f} | {100 * gap:+.1f}% | '
+    lines.append(f'{head} {result["eval_loss"]:.3f} | {100 * g:+.1f}% | '
                  f'{vs} |')
   if compared:
     lines += ['', (f'No variation is closer to AdamS than the oracle in any '
@@ -209,7 +210,7 @@ def oracle_verdict(out: str, grid: dict) -> list:
     base = _adams(grid, b2).get(seed)
     if base:
       found.setdefault((b2, density), {}).setdefault(alt, []).append(
-          result['eval_loss'] / base['eval_loss'] - 1)
+          gap(result, base))
   lines = []
   for (b2, density), alts in sorted(found.items()):
     target = TARGETS[density]

@@ -9,10 +9,15 @@ import fidelity
 TARGETS = {0.1: 0.02, 0.01: 0.05}  # issue 12: the variant vs AdamS, per density
 
 
+def gap(result: dict, base: dict) -> float:
+  """Eval loss of run `result` relative to run `base`'s, minus 1."""
+  return result['eval_loss'] / base['eval_loss'] - 1
+
+
 def seed_gaps(runs: dict, method: str) -> dict:
   """{seed: gap} where both `method` and AdamS finished."""
   base = runs.get('AdamS', {})
-  return {s: r['eval_loss'] / base[s]['eval_loss'] - 1
+  return {s: gap(r, base[s])
           for s, r in sorted(runs.get(method, {}).items()) if s in base}
 
 
