@@ -126,6 +126,9 @@ VARIANT_NOTES = {  # what each variant changes (docs/design.md has more)
                           'third per-worker moment) instead of this step\'s '
                           'm, with the noise a moving average keeps '
                           'accounted for',
+    'local_adam_rotating': 'is `local_adam_smoothv` whose chunks change '
+                           'owner every step (worker n ranks chunk '
+                           '(n + t) mod N at step t)',
 }
 
 

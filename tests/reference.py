@@ -70,19 +70,21 @@ class ScapeReference:
     self.mask = [np.ones(c * n, bool) for c in self.chunk]
     self.t = 0
 
-  def _refresh(self, j, mts):
-    """Union over workers of each worker's top-k in its own chunk of |m~^n|."""
+  def _refresh(self, j, mts, shift=0):
+    """Union over workers of each worker's top-k in its own chunk of |m~^n|:
+    chunk (n + shift) % N for worker n."""
     c, size = self.chunk[j], self.w[j].size
     k = k_of(self.density, c)
     new = np.zeros(c * self.n, bool)
     for n in range(self.n):
+      own = (n + shift) % self.n
       flat = np.zeros(c * self.n, np.float32)
       flat[:size] = np.abs(mts[n][j]).reshape(-1)
-      score = flat[n * c:(n + 1) * c].copy()
-      positions = np.arange(n * c, (n + 1) * c)
+      score = flat[own * c:(own + 1) * c].copy()
+      positions = np.arange(own * c, (own + 1) * c)
       score[positions >= size] = -1.0  # padding goes last
       order = np.argsort(-score, kind='stable')[:k]
-      new[n * c + order] = True
+      new[own * c + order] = True
     return new
 
   def step(self, worker_grads):
@@ -161,7 +163,8 @@ class LocalAdamReference(ScapeReference):
   """N simulated workers running SCAPE's variant 'local_adam' or, with
   `adams`, 'local_adams', with `now`, 'local_adam_now', with `now` and
   `mean_v`, 'local_adam_meanv', with `now` and `smooth_v`,
-  'local_adam_smoothv' (docs/design.md):
+  'local_adam_smoothv', with `now`, `smooth_v` and `rotate`,
+  'local_adam_rotating' (docs/design.md):
   each worker clips its own gradient and runs Adam (AdamS:
   v = b2 m_{t-1}**2 + (1 - b2) g**2) on it per compressed leaf; its residual holds the updates not applied yet;
   the step at M is the mean of the workers' pending updates there, the next
@@ -169,10 +172,11 @@ class LocalAdamReference(ScapeReference):
   not compressed take Algorithm 1's dense AdamS."""
 
   def __init__(self, params, compressed, n, adams=False, now=False,
-               mean_v=False, smooth_v=False, informed=None, **kwargs):
+               mean_v=False, smooth_v=False, rotate=False, informed=None,
+               **kwargs):
     super().__init__(params, compressed, n, **kwargs)
     self.adams, self.now, self.mean_v = adams, now, mean_v
-    self.smooth_v = smooth_v
+    self.smooth_v, self.rotate = smooth_v, rotate
     # The study's informed runs (bench/fidelity_information.py): 'mask',
     # masks from the workers' mean current update; 'v', v from the mean
     # (clipped) gradient.
@@ -227,7 +231,9 @@ class LocalAdamReference(ScapeReference):
           current = [[mean if i == j else None for i in range(len(self.w))]
                      ] * self.n
         if self.now and t > 1:  # this step's mask (step 1 is dense)
-          self.mask[j] = self._refresh(j, current)
+          # 'local_adam_rotating': worker n ranks chunk (n + t) % N.
+          self.mask[j] = self._refresh(j, current,
+                                       t % self.n if self.rotate else 0)
         in_m = self.mask[j][:p.size].reshape(p.shape)
         for n in range(self.n):
           self.e[n][j] = np.where(in_m, 0, pending[n]).astype(np.float32)

@@ -344,11 +344,12 @@ class _GlobalMask(NamedTuple):
   words: jax.Array  # uint32[N, ceil(c/32)], the same as chunk bitmaps
 
 
-def _exchange_masks(own_masks, plan, k_now, hyper) -> list:
+def _exchange_masks(own_masks, plan, k_now, hyper, shift=None) -> list:
   """The mask all-gather: every worker's chunk mask -> `_GlobalMask`.
 
   One uint32 buffer carries every sparse leaf's contribution (bitmap or
-  offsets, `LeafLayout.encoding`). Dense leaves get None.
+  offsets, `LeafLayout.encoding`). Dense leaves get None. With `shift`
+  (`_next_own_masks`'), worker n's contribution is chunk (n + shift) % N's.
   """
   sparse = [j for j in range(len(own_masks)) if plan.is_sparse(j, k_now[j])]
   enc = {j: plan.layouts[j].encoding(k_now[j], hyper.encoding,
@@ -361,6 +362,8 @@ def _exchange_masks(own_masks, plan, k_now, hyper) -> list:
   buf = jnp.concatenate(wire)
   gathered = (buf[None] if hyper.axis_name is None else
               all_gather_invariant(buf, hyper.axis_name))
+  if shift is not None:  # row c: chunk c's mask
+    gathered = jnp.roll(gathered, shift, axis=0)
   for j, part in zip(sparse, _split(gathered, [x.shape[0] for x in wire])):
     global_masks[j] = _mask_from_wire(part, plan.layouts[j], k_now[j], enc[j])
   return global_masks
@@ -447,10 +450,14 @@ def _direction(mu_prev, bbar, gbar, count, hyper, in_mask, variant_state,
   return direction, jax.tree.structure(variant_state).unflatten(new)
 
 
-def _next_own_masks(moment, plan, k_levels, level, next_level, hyper):
-  """The next step's chunk mask of this worker, per compressed leaf."""
+def _next_own_masks(moment, plan, k_levels, level, next_level, hyper,
+                    shift=None):
+  """The next step's chunk mask of this worker, per compressed leaf: of
+  chunk n for worker n, or (n + shift) % N ('local_adam_rotating')."""
   worker = (0 if hyper.axis_name is None else
             jax.lax.axis_index(hyper.axis_name))
+  if shift is not None:
+    worker = (worker + shift) % plan.num_workers
   return [None if layout is None else _next_own_mask(
       mt, layout, worker, k_levels[j], level,
       jnp.asarray(k_levels[j], jnp.int32)[next_level], hyper.select)

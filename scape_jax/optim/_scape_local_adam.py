@@ -1,6 +1,6 @@
 """SCAPE variants 'local_adam', 'local_adams', 'local_adam_now',
-'local_adam_meanv' and 'local_adam_smoothv': sparse updates with error
-feedback on the wire of Algorithm 1.
+'local_adam_meanv', 'local_adam_smoothv' and 'local_adam_rotating': sparse
+updates with error feedback on the wire of Algorithm 1.
 
 Each worker runs Adam ('local_adam': v the moving average of g**2) or AdamS
 ('local_adams': v = b2 m_{t-1}**2 + (1 - b2) g**2, no state of its own) on
@@ -13,7 +13,9 @@ in its own chunk. 'local_adam_now' uses this step's mask, chosen from this
 step's update before the exchange, which then waits for the mask
 all-gather; 'local_adam_meanv' and 'local_adam_smoothv' are
 'local_adam_now' whose v estimates the mean gradient's second moment
-(`mean_v_direction`, `smooth_v_direction`). Leaves that are never
+(`mean_v_direction`, `smooth_v_direction`); 'local_adam_rotating' is
+'local_adam_smoothv' whose chunks change owner every step (worker n chooses
+chunk (n + t) % N's mask at step t). Leaves that are never
 compressed (norms, biases) take Algorithm 1's dense path (m~ exchanged in
 full, AdamS's direction). The masks, the payload and the collectives are
 Algorithm 1's, byte for byte.
@@ -23,8 +25,8 @@ largest of this step's update move, by their pending update) with each
 worker's own gradient in place of the mean gradient and, as SCAPE must, the
 mask chosen one step before it is used. docs/design.md ("SCAPE variants
 'local_adam', 'local_adams', 'local_adam_now'" and "SCAPE variants
-'local_adam_meanv', 'local_adam_smoothv'") says where they depart from the
-paper.
+'local_adam_meanv', 'local_adam_smoothv'", "SCAPE variant
+'local_adam_rotating'") says where they depart from the paper.
 """
 
 import functools
@@ -40,18 +42,20 @@ from scape_jax.optim import _scape
 
 
 # The variants whose mask is used in the step that chooses it.
-_THIS_STEP = ('local_adam_now', 'local_adam_meanv', 'local_adam_smoothv')
+_THIS_STEP = ('local_adam_now', 'local_adam_meanv', 'local_adam_smoothv',
+              'local_adam_rotating')
 
 
 def init_local_state(variant: str, params, plan, per_worker) -> tuple:
   """Each worker's moments of its own gradient, per compressed leaf: (m,)
-  for 'local_adams', (m, v, w) for 'local_adam_smoothv' (w: the moving
-  average of m^**2), else (m, v)."""
+  for 'local_adams', (m, v, w) for 'local_adam_smoothv' and
+  'local_adam_rotating' (w: the moving average of m^**2), else (m, v)."""
   zeros = [optax.MaskedNode() if layout is None else
            per_worker(jnp.zeros(p.shape, jnp.float32))
            for p, layout in zip(jax.tree.leaves(params), plan.layouts)]
   tree = plan.treedef.unflatten(zeros)
-  count = {'local_adams': 1, 'local_adam_smoothv': 3}.get(variant, 2)
+  count = {'local_adams': 1, 'local_adam_smoothv': 3,
+           'local_adam_rotating': 3}.get(variant, 2)
   return (tree,) * count
 
 
@@ -70,9 +74,14 @@ def update(grads, state, level: int, *, plan, hyper, schedule):
   k_now = [None if k is None else k[level] for k in k_levels]
   scores = mask_scores(current, hyper.axis_name)
   if hyper.variant in _THIS_STEP:  # this step's masks, from this step
+    shift = (count % plan.num_workers
+             if hyper.variant == 'local_adam_rotating' else None)
     own_mask = _scape._next_own_masks(scores, plan, k_levels, level, level,
-                                      hyper)
-    global_masks = _scape._exchange_masks(own_mask, plan, k_now, hyper)
+                                      hyper, shift)
+    global_masks = _scape._exchange_masks(own_mask, plan, k_now, hyper,
+                                          shift)
+    if shift is not None:  # the state keeps chunk n's mask, as for the rest
+      own_mask = _chunk_masks(own_mask, global_masks, hyper.axis_name)
   else:  # Algorithm 1's: chosen at the previous step
     global_masks = _scape._exchange_masks(flat(state.mask), plan, k_now,
                                           hyper)
@@ -98,6 +107,15 @@ def update(grads, state, level: int, *, plan, hyper, schedule):
            for x in tree]) for tree in moments))
   direction = [d.astype(g.dtype) for d, g in zip(direction, flat(grads))]
   return plan.treedef.unflatten(direction), new_state
+
+
+def _chunk_masks(own_mask: list, global_masks: list, axis_name) -> list:
+  """Worker n's row (chunk n's bitmap) of each leaf's gathered masks; a
+  leaf dense at this level keeps its (all-ones) mask."""
+  worker = 0 if axis_name is None else jax.lax.axis_index(axis_name)
+  return [own if g is None else
+          jax.lax.dynamic_index_in_dim(g.words, worker, keepdims=True)
+          for own, g in zip(own_mask, global_masks)]
 
 
 def _local_updates(grad_leaves, state, count, plan, hyper) -> tuple:
@@ -143,7 +161,7 @@ def _local_step(g, previous: list, count, num_workers: int, hyper) -> tuple:
   c1, c2 = _common.bias_corrections(count, b1, b2)
   if hyper.variant == 'local_adam_meanv':
     return (m, v), mean_v_direction(m / c1, v / c2, num_workers, eps=eps)
-  if hyper.variant == 'local_adam_smoothv':
+  if hyper.variant in ('local_adam_smoothv', 'local_adam_rotating'):
     m_hat = m / c1
     w = b2 * previous[2] + (1.0 - b2) * m_hat * m_hat
     return (m, v, w), smooth_v_direction(m_hat, v / c2, w / c2, num_workers,

@@ -39,8 +39,12 @@ import jax.numpy as jnp
 # 'local_adam_smoothv': 'local_adam_meanv' whose estimate takes the squared
 #   mean from a moving average of m^2 (a third per-worker moment), not from
 #   this step's m.
+# 'local_adam_rotating': 'local_adam_smoothv' whose chunks change owner each
+#   step: at step t worker n chooses the mask of chunk (n + t) % N, so no
+#   chunk is ranked by one worker's (slowly changing) noise for long.
 LOCAL_OPTIMIZERS = ('local_adam', 'local_adams', 'local_adam_now',
-                    'local_adam_meanv', 'local_adam_smoothv')
+                    'local_adam_meanv', 'local_adam_smoothv',
+                    'local_adam_rotating')
 VARIANTS = ('faithful', 'fresh', 'carry', 'carry_v', 'carry_vi', 'stale',
             'local', 'local_stale') + LOCAL_OPTIMIZERS
 
