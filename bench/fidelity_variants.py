@@ -129,6 +129,11 @@ VARIANT_NOTES = {  # what each variant changes (docs/design.md has more)
     'local_adam_rotating': 'is `local_adam_smoothv` whose chunks change '
                            'owner every step (worker n ranks chunk '
                            '(n + t) mod N at step t)',
+    'local_adam_debiased': 'is `local_adam_rotating` whose mask ranks by '
+                           'u^2 less its expected noise (c (1 - 1/N) times '
+                           'the worker\'s gradient variance, over v_mean), '
+                           'an unbiased estimate of the mean update\'s '
+                           'square',
 }
 
 

@@ -164,7 +164,9 @@ def test_matches_numpy_simulation_of_algorithm_1(density, variant):
                                              (0.1, 'local_adam_smoothv'),
                                              (0.01, 'local_adam_smoothv'),
                                              (0.1, 'local_adam_rotating'),
-                                             (0.01, 'local_adam_rotating')])
+                                             (0.01, 'local_adam_rotating'),
+                                             (0.1, 'local_adam_debiased'),
+                                             (0.01, 'local_adam_debiased')])
 def test_local_adam_matches_numpy(density, variant):
   """variants 'local_adam(s)' against `reference.LocalAdamReference`:
   params, residuals (pending updates), per-worker moments and masks, 8
@@ -187,16 +189,15 @@ def check_local_adam(density, variant, informed=None):
   tx = scape_jax.scape(lr_fn, density=density, clip_norm=clip, eps=eps,
                        variant=variant)
   run = Runner(tx, params, n)
+  smooth = ('local_adam_smoothv', 'local_adam_rotating', 'local_adam_debiased')
   ref = LocalAdamReference([params[k] for k in names], compressed, n,
                            adams=variant == 'local_adams',
                            now=variant in ('local_adam_now',
-                                           'local_adam_meanv',
-                                           'local_adam_smoothv',
-                                           'local_adam_rotating'),
+                                           'local_adam_meanv') + smooth,
                            mean_v=variant == 'local_adam_meanv',
-                           smooth_v=variant in ('local_adam_smoothv',
-                                                'local_adam_rotating'),
-                           rotate=variant == 'local_adam_rotating',
+                           smooth_v=variant in smooth,
+                           rotate=variant in smooth[1:],
+                           debias=variant == 'local_adam_debiased',
                            informed=informed, density=density, eps=eps,
                            clip=clip,
                            lr_fn=lambda i: float(lr_fn(i)))
@@ -218,7 +219,7 @@ def check_local_adam(density, variant, informed=None):
                                    ref.e[w][j], rtol=2e-5, atol=1e-5)
         np.testing.assert_allclose(np.asarray(st.local_state[0][k])[w],
                                    ref.m_local[w][j], rtol=2e-5, atol=1e-7)
-        if variant in ('local_adam_smoothv', 'local_adam_rotating'):  # m^2 avg
+        if variant in smooth:  # the moving average of m^**2
           np.testing.assert_allclose(np.asarray(st.local_state[2][k])[w],
                                      ref.w_local[w][j], rtol=2e-5, atol=1e-7)
         np.testing.assert_array_equal(bits[w], ref.chunk_mask(j, w))

@@ -1,6 +1,7 @@
 """SCAPE variants 'local_adam', 'local_adams', 'local_adam_now',
-'local_adam_meanv', 'local_adam_smoothv' and 'local_adam_rotating': sparse
-updates with error feedback on the wire of Algorithm 1.
+'local_adam_meanv', 'local_adam_smoothv', 'local_adam_rotating' and
+'local_adam_debiased': sparse updates with error feedback on the wire of
+Algorithm 1.
 
 Each worker runs Adam ('local_adam': v the moving average of g**2) or AdamS
 ('local_adams': v = b2 m_{t-1}**2 + (1 - b2) g**2, no state of its own) on
@@ -15,7 +16,9 @@ all-gather; 'local_adam_meanv' and 'local_adam_smoothv' are
 'local_adam_now' whose v estimates the mean gradient's second moment
 (`mean_v_direction`, `smooth_v_direction`); 'local_adam_rotating' is
 'local_adam_smoothv' whose chunks change owner every step (worker n chooses
-chunk (n + t) % N's mask at step t). Leaves that are never
+chunk (n + t) % N's mask at step t), and 'local_adam_debiased' is
+'local_adam_rotating' whose mask ranks by u**2 less its expected noise
+(`debiased_score`). Leaves that are never
 compressed (norms, biases) take Algorithm 1's dense path (m~ exchanged in
 full, AdamS's direction). The masks, the payload and the collectives are
 Algorithm 1's, byte for byte.
@@ -25,8 +28,8 @@ largest of this step's update move, by their pending update) with each
 worker's own gradient in place of the mean gradient and, as SCAPE must, the
 mask chosen one step before it is used. docs/design.md ("SCAPE variants
 'local_adam', 'local_adams', 'local_adam_now'" and "SCAPE variants
-'local_adam_meanv', 'local_adam_smoothv'", "SCAPE variant
-'local_adam_rotating'") says where they depart from the paper.
+'local_adam_meanv', 'local_adam_smoothv'", "SCAPE variants
+'local_adam_rotating', 'local_adam_debiased'") says where they depart from the paper.
 """
 
 import functools
@@ -42,20 +45,23 @@ from scape_jax.optim import _scape
 
 
 # The variants whose mask is used in the step that chooses it.
-_THIS_STEP = ('local_adam_now', 'local_adam_meanv', 'local_adam_smoothv',
-              'local_adam_rotating')
+# The variants with a third moment, w, and `smooth_v_direction`.
+SMOOTH_V = ('local_adam_smoothv', 'local_adam_rotating', 'local_adam_debiased')
+# The variants whose mask is chosen in the step that uses it.
+_THIS_STEP = ('local_adam_now', 'local_adam_meanv') + SMOOTH_V
+# The variants whose chunks change owner every step.
+_ROTATING = ('local_adam_rotating', 'local_adam_debiased')
 
 
 def init_local_state(variant: str, params, plan, per_worker) -> tuple:
   """Each worker's moments of its own gradient, per compressed leaf: (m,)
-  for 'local_adams', (m, v, w) for 'local_adam_smoothv' and
-  'local_adam_rotating' (w: the moving average of m^**2), else (m, v)."""
+  for 'local_adams', (m, v, w) for `SMOOTH_V` (w: the moving average of
+  m^**2), else (m, v)."""
   zeros = [optax.MaskedNode() if layout is None else
            per_worker(jnp.zeros(p.shape, jnp.float32))
            for p, layout in zip(jax.tree.leaves(params), plan.layouts)]
   tree = plan.treedef.unflatten(zeros)
-  count = {'local_adams': 1, 'local_adam_smoothv': 3,
-           'local_adam_rotating': 3}.get(variant, 2)
+  count = 1 if variant == 'local_adams' else 3 if variant in SMOOTH_V else 2
   return (tree,) * count
 
 
@@ -74,8 +80,8 @@ def update(grads, state, level: int, *, plan, hyper, schedule):
   k_now = [None if k is None else k[level] for k in k_levels]
   scores = mask_scores(current, hyper.axis_name)
   if hyper.variant in _THIS_STEP:  # this step's masks, from this step
-    shift = (count % plan.num_workers
-             if hyper.variant == 'local_adam_rotating' else None)
+    shift = (count % plan.num_workers if hyper.variant in _ROTATING
+             else None)
     own_mask = _scape._next_own_masks(scores, plan, k_levels, level, level,
                                       hyper, shift)
     global_masks = _scape._exchange_masks(own_mask, plan, k_now, hyper,
@@ -119,7 +125,8 @@ def _chunk_masks(own_mask: list, global_masks: list, axis_name) -> list:
 
 
 def _local_updates(grad_leaves, state, count, plan, hyper) -> tuple:
-  """(payload per leaf, the new local moments, the current update u).
+  """(payload per leaf, the new local moments, the current update u or,
+  for 'local_adam_debiased', the score its mask ranks by).
 
   A compressed leaf sends its pending update e + u, where u is the worker's
   own direction (`_local_step`); a dense leaf sends Algorithm 1's
@@ -137,37 +144,44 @@ def _local_updates(grad_leaves, state, count, plan, hyper) -> tuple:
         tree.append(optax.MaskedNode())
       current.append(None)
       continue
-    new, u = _local_step(g, [x[j][0] for x in previous], count,
-                         plan.num_workers, hyper)
+    new, u, score = _local_step(g, [x[j][0] for x in previous], count,
+                                plan.num_workers, hyper)
     sent.append(pending[j][0] + u)
     for tree, x in zip(moments, new):
       tree.append(x)
-    current.append(u)
+    current.append(score)
   return sent, moments, current
 
 
 def _local_step(g, previous: list, count, num_workers: int, hyper) -> tuple:
-  """(new moments, u): one worker's moments of one leaf from its gradient
-  `g`, and its direction, per variant (`init_local_state` has the moments).
+  """(new moments, u, score): one worker's moments of one leaf from its
+  gradient `g`, its direction u and what its mask ranks (u, or for
+  'local_adam_debiased' `debiased_score`), per variant (`init_local_state`
+  has the moments).
   """
   b1, b2, eps = hyper.b1, hyper.b2, hyper.eps
   m = b1 * previous[0] + (1.0 - b1) * g
   g_v = second_moment_gradient(g, hyper.axis_name)
   if hyper.variant == 'local_adams':  # AdamS's v: no state of its own
     v = b2 * previous[0] * previous[0] + (1.0 - b2) * g_v * g_v
-    return (m,), _common.bias_corrected_direction(m, v, count, b1=b1, b2=b2,
-                                                  eps=eps)
+    u = _common.bias_corrected_direction(m, v, count, b1=b1, b2=b2, eps=eps)
+    return (m,), u, u
   v = b2 * previous[1] + (1.0 - b2) * g_v * g_v
   c1, c2 = _common.bias_corrections(count, b1, b2)
   if hyper.variant == 'local_adam_meanv':
-    return (m, v), mean_v_direction(m / c1, v / c2, num_workers, eps=eps)
-  if hyper.variant in ('local_adam_smoothv', 'local_adam_rotating'):
+    u = mean_v_direction(m / c1, v / c2, num_workers, eps=eps)
+    return (m, v), u, u
+  if hyper.variant in SMOOTH_V:
     m_hat = m / c1
     w = b2 * previous[2] + (1.0 - b2) * m_hat * m_hat
-    return (m, v, w), smooth_v_direction(m_hat, v / c2, w / c2, num_workers,
-                                         b1=b1, eps=eps)
-  return (m, v), _common.bias_corrected_direction(m, v, count, b1=b1, b2=b2,
-                                                  eps=eps)
+    u = smooth_v_direction(m_hat, v / c2, w / c2, num_workers, b1=b1,
+                           eps=eps)
+    if hyper.variant != 'local_adam_debiased':
+      return (m, v, w), u, u
+    return (m, v, w), u, debiased_score(u, v / c2, w / c2, num_workers,
+                                        b1=b1, eps=eps)
+  u = _common.bias_corrected_direction(m, v, count, b1=b1, b2=b2, eps=eps)
+  return (m, v), u, u
 
 
 # The two statistics a worker computes from its own gradient alone. They
@@ -203,24 +217,52 @@ def mean_v_direction(m_hat, v_hat, num_workers: int, *, eps):
 
 
 def smooth_v_direction(m_hat, v_hat, w_hat, num_workers: int, *, b1, eps):
-  """'local_adam_smoothv's direction m^ / (sqrt(v_mean) + eps).
+  """'local_adam_smoothv's direction m^ / (sqrt(v_mean) + eps), v_mean
+  from `smooth_v_mean`. Unlike `mean_v_direction`'s, this v_mean is a moving
+  average, not a function of this step's m^, so |u| ranks a chunk by more
+  than m^**2 / v^. With one worker v_mean = max(v^, w^).
+  """
+  v_mean = smooth_v_mean(v_hat, w_hat, num_workers, b1=b1)
+  return m_hat / (jnp.sqrt(v_mean) + eps)
 
-  `w_hat` is the bias-corrected moving average (rate b2) of m^**2. For a
-  gradient of mean mu and per-worker variance s2, v^ ~ mu**2 + s2 and
+
+def smooth_v_mean(v_hat, w_hat, num_workers: int, *, b1):
+  """The mean gradient's second moment, estimated from one worker's
+  bias-corrected v^ and w^ (the moving average, rate b2, of m^**2).
+
+  For a gradient of mean mu and per-worker variance s2, v^ ~ mu**2 + s2 and
   w^ ~ mu**2 + c s2 with c = (1 - b1) / (1 + b1), the variance a moving
-  average of rate b1 keeps; so s2 ~ (v^ - w^) / (1 - c), and the mean
-  gradient's second moment mu**2 + s2 / N is
-  v_mean = w^ + (1 / N - c) / (1 - c) * max(v^ - w^, 0), kept at least
-  v^ / N (the steps at most sqrt(N) times Adam's). Unlike
-  `mean_v_direction`'s, this v_mean is a moving average, not a function
-  of this step's m^, so |u| ranks a chunk by more than m^**2 / v^. With
-  one worker v_mean = max(v^, w^).
+  average of rate b1 keeps; so s2 ~ max(v^ - w^, 0) / (1 - c), and the
+  mean gradient's second moment mu**2 + s2 / N is
+  w^ + (1 / N - c) / (1 - c) * max(v^ - w^, 0), kept at least v^ / N (the
+  steps at most sqrt(N) times Adam's).
   """
   c = (1.0 - b1) / (1.0 + b1)
   spread = jnp.maximum(v_hat - w_hat, 0.0)
   v_mean = w_hat + (1.0 / num_workers - c) / (1.0 - c) * spread
-  v_mean = jnp.maximum(v_mean, v_hat / num_workers)
-  return m_hat / (jnp.sqrt(v_mean) + eps)
+  return jnp.maximum(v_mean, v_hat / num_workers)
+
+
+def debiased_score(u, v_hat, w_hat, num_workers: int, *, b1, eps):
+  """What 'local_adam_debiased' ranks a chunk by: u**2 less its expected
+  noise, an unbiased estimate of the square of the workers' mean update.
+
+  A worker's m^ differs from the workers' mean m^ by a moving average
+  (rate b1) of its own gradient noise less the mean's, of variance
+  c (1 - 1/N) s2 (c and s2 as in `smooth_v_mean`); divided by the same
+  sqrt(v_mean) + eps as u, that is the variance of u around the workers'
+  mean update. The estimate x = u**2 - that may be negative; it is mapped
+  to (0, inf) in the same order (1 + x for x >= 0, 1 / (1 - x) below), as
+  the top-k ranks by magnitude (x is resolved to ~1e-7 there, far below the
+  u**2 of any coordinate a top-k takes). With one worker it ranks as |u|
+  does.
+  """
+  c = (1.0 - b1) / (1.0 + b1)
+  scale = jnp.sqrt(smooth_v_mean(v_hat, w_hat, num_workers, b1=b1)) + eps
+  s2 = jnp.maximum(v_hat - w_hat, 0.0) / (1.0 - c)
+  noise = c * (1.0 - 1.0 / num_workers) * s2 / (scale * scale)
+  x = u * u - noise
+  return jnp.where(x >= 0.0, 1.0 + x, 1.0 / (1.0 - x))
 
 
 def _apply(mean, sent, global_masks, mu, count, plan, hyper) -> tuple:

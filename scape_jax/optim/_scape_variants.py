@@ -42,9 +42,11 @@ import jax.numpy as jnp
 # 'local_adam_rotating': 'local_adam_smoothv' whose chunks change owner each
 #   step: at step t worker n chooses the mask of chunk (n + t) % N, so no
 #   chunk is ranked by one worker's (slowly changing) noise for long.
+# 'local_adam_debiased': 'local_adam_rotating' whose mask ranks by u**2 less
+#   its expected noise, an unbiased estimate of the mean update's square.
 LOCAL_OPTIMIZERS = ('local_adam', 'local_adams', 'local_adam_now',
                     'local_adam_meanv', 'local_adam_smoothv',
-                    'local_adam_rotating')
+                    'local_adam_rotating', 'local_adam_debiased')
 VARIANTS = ('faithful', 'fresh', 'carry', 'carry_v', 'carry_vi', 'stale',
             'local', 'local_stale') + LOCAL_OPTIMIZERS
 
