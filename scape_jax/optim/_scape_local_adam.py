@@ -18,10 +18,9 @@ all-gather; 'local_adam_meanv' and 'local_adam_smoothv' are
 'local_adam_smoothv' whose chunks change owner every step (worker n chooses
 chunk (n + t) % N's mask at step t), and 'local_adam_debiased' is
 'local_adam_rotating' whose mask ranks by u**2 less its expected noise
-(`debiased_score`). Leaves that are never
-compressed (norms, biases) take Algorithm 1's dense path (m~ exchanged in
-full, AdamS's direction). The masks, the payload and the collectives are
-Algorithm 1's, byte for byte.
+(`debiased_score`). Leaves that are never compressed (norms, biases) take
+Algorithm 1's dense path (m~ exchanged in full, AdamS's direction). The
+masks, the payload and the collectives are Algorithm 1's, byte for byte.
 
 It follows the sparse-update oracle of `docs/results.md` (`current`: the k
 largest of this step's update move, by their pending update) with each
@@ -29,7 +28,8 @@ worker's own gradient in place of the mean gradient and, as SCAPE must, the
 mask chosen one step before it is used. docs/design.md ("SCAPE variants
 'local_adam', 'local_adams', 'local_adam_now'" and "SCAPE variants
 'local_adam_meanv', 'local_adam_smoothv'", "SCAPE variants
-'local_adam_rotating', 'local_adam_debiased'") says where they depart from the paper.
+'local_adam_rotating', 'local_adam_debiased'") says where they depart from
+the paper.
 """
 
 import functools
@@ -44,7 +44,6 @@ from scape_jax.optim import _common
 from scape_jax.optim import _scape
 
 
-# The variants whose mask is used in the step that chooses it.
 # The variants with a third moment, w, and `smooth_v_direction`.
 SMOOTH_V = ('local_adam_smoothv', 'local_adam_rotating', 'local_adam_debiased')
 # The variants whose mask is chosen in the step that uses it.
