@@ -228,7 +228,7 @@ class LocalAdamReference(ScapeReference):
           if self.debias:  # now**2 less the variance of now around the mean
             s2 = np.maximum(self.v_local[n][j] / c2 - w_hat, 0) / (1 - c)
             x = now**2 - c * (1 - 1 / self.n) * s2 / (np.sqrt(v_hat) + eps)**2
-            score = np.where(x >= 0, 1 + x, 1 / (1 - x))
+            score = np.maximum(x, 0) + np.float32(1e-3) * now**2
           current.append([score if i == j else None
                           for i in range(len(self.w))])
           pending.append((self.e[n][j] + now).astype(np.float32))

@@ -250,18 +250,16 @@ def debiased_score(u, v_hat, w_hat, num_workers: int, *, b1, eps):
   (rate b1) of its own gradient noise less the mean's, of variance
   c (1 - 1/N) s2 (c and s2 as in `smooth_v_mean`); divided by the same
   sqrt(v_mean) + eps as u, that is the variance of u around the workers'
-  mean update. The estimate x = u**2 - that may be negative; it is mapped
-  to (0, inf) in the same order (1 + x for x >= 0, 1 / (1 - x) below), as
-  the top-k ranks by magnitude (x is resolved to ~1e-7 there, far below the
-  u**2 of any coordinate a top-k takes). With one worker it ranks as |u|
+  mean update. The estimate x = u**2 - that is clamped at 0 (a square is
+  not negative), and the coordinates clamped there are ranked by u**2 with
+  weight 1e-3: max(x, 0) + 1e-3 u**2. With one worker it ranks as |u|
   does.
   """
   c = (1.0 - b1) / (1.0 + b1)
   scale = jnp.sqrt(smooth_v_mean(v_hat, w_hat, num_workers, b1=b1)) + eps
   s2 = jnp.maximum(v_hat - w_hat, 0.0) / (1.0 - c)
   noise = c * (1.0 - 1.0 / num_workers) * s2 / (scale * scale)
-  x = u * u - noise
-  return jnp.where(x >= 0.0, 1.0 + x, 1.0 / (1.0 - x))
+  return jnp.maximum(u * u - noise, 0.0) + 1e-3 * (u * u)
 
 
 def _apply(mean, sent, global_masks, mu, count, plan, hyper) -> tuple:
