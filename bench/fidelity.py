@@ -39,7 +39,7 @@ CONFIG = 'configs/shakespeare_llama_tiny.py'
 VARIANTS = ('fresh', 'carry', 'carry_v', 'carry_vi', 'stale', 'local',
             'local_stale', 'local_adam', 'local_adams', 'local_adam_now',
             'local_adam_meanv', 'local_adam_smoothv', 'local_adam_rotating',
-            'local_adam_debiased')
+            'local_adam_debiased', 'local_adam_shrunk')
 SEEDS = (0, 1)
 
 
@@ -123,7 +123,8 @@ EXTRA_SEED_METHODS = {
     ('base', ''): ('AdamS', 'SCAPE d=0.1', 'SCAPE d=0.01',
                    'local_adam_smoothv d=0.1', 'local_adam_smoothv d=0.01',
                    'local_adam_rotating d=0.1', 'local_adam_rotating d=0.01',
-                   'local_adam_debiased d=0.1', 'local_adam_debiased d=0.01'),
+                   'local_adam_debiased d=0.1', 'local_adam_debiased d=0.01',
+                   'local_adam_shrunk d=0.01'),
     ('workers', '1'): ('AdamS', 'local_adam_meanv d=0.01',
                        'local_adam_smoothv d=0.01'),
 }

@@ -134,6 +134,10 @@ VARIANT_NOTES = {  # what each variant changes (docs/design.md has more)
                            'the worker\'s gradient variance, over v_mean), '
                            'an unbiased estimate of the mean update\'s '
                            'square',
+    'local_adam_shrunk': 'is `local_adam_rotating` whose mask ranks by the '
+                         'posterior mean of the mean update, |u| / (tau2 + '
+                         'noise), tau2 estimated over the leaf (empirical '
+                         'Bayes)',
 }
 
 

@@ -164,8 +164,8 @@ class LocalAdamReference(ScapeReference):
   `adams`, 'local_adams', with `now`, 'local_adam_now', with `now` and
   `mean_v`, 'local_adam_meanv', with `now` and `smooth_v`,
   'local_adam_smoothv', with `now`, `smooth_v` and `rotate`,
-  'local_adam_rotating', and with `debias` too, 'local_adam_debiased'
-  (docs/design.md):
+  'local_adam_rotating', and with `score='debiased'` or `'shrunk'` too,
+  'local_adam_debiased' or 'local_adam_shrunk' (docs/design.md):
   each worker clips its own gradient and runs Adam (AdamS:
   v = b2 m_{t-1}**2 + (1 - b2) g**2) on it per compressed leaf; its residual holds the updates not applied yet;
   the step at M is the mean of the workers' pending updates there, the next
@@ -173,11 +173,11 @@ class LocalAdamReference(ScapeReference):
   not compressed take Algorithm 1's dense AdamS."""
 
   def __init__(self, params, compressed, n, adams=False, now=False,
-               mean_v=False, smooth_v=False, rotate=False, debias=False,
+               mean_v=False, smooth_v=False, rotate=False, score=None,
                informed=None, **kwargs):
     super().__init__(params, compressed, n, **kwargs)
     self.adams, self.now, self.mean_v = adams, now, mean_v
-    self.smooth_v, self.rotate, self.debias = smooth_v, rotate, debias
+    self.smooth_v, self.rotate, self.score = smooth_v, rotate, score
     # The study's informed runs (bench/fidelity_information.py): 'mask',
     # masks from the workers' mean current update; 'v', v from the mean
     # (clipped) gradient.
@@ -225,10 +225,16 @@ class LocalAdamReference(ScapeReference):
             v_hat = np.maximum(v_mean, v_hat / self.n)
           now = m_hat / (np.sqrt(v_hat) + eps)
           score = now
-          if self.debias:  # now**2 less the variance of now around the mean
+          if self.score:  # the variance of now around the workers' mean
             s2 = np.maximum(self.v_local[n][j] / c2 - w_hat, 0) / (1 - c)
-            x = now**2 - c * (1 - 1 / self.n) * s2 / (np.sqrt(v_hat) + eps)**2
-            score = np.maximum(x, 0) + np.float32(1e-3) * now**2
+            noise = c * (1 - 1 / self.n) * s2 / (np.sqrt(v_hat) + eps)**2
+          if self.score == 'debiased':  # now**2 less it, clamped at 0
+            score = (np.maximum(now**2 - noise, 0) +
+                     np.float32(1e-3) * now**2)
+          if self.score == 'shrunk':  # the posterior mean's magnitude
+            tau2 = max(float(np.mean(now.astype(np.float64)**2) -
+                             np.mean(noise.astype(np.float64))), 1e-12)
+            score = np.abs(now) / (np.float32(tau2) + noise)
           current.append([score if i == j else None
                           for i in range(len(self.w))])
           pending.append((self.e[n][j] + now).astype(np.float32))

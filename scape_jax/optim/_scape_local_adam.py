@@ -1,7 +1,7 @@
 """SCAPE variants 'local_adam', 'local_adams', 'local_adam_now',
-'local_adam_meanv', 'local_adam_smoothv', 'local_adam_rotating' and
-'local_adam_debiased': sparse updates with error feedback on the wire of
-Algorithm 1.
+'local_adam_meanv', 'local_adam_smoothv', 'local_adam_rotating',
+'local_adam_debiased' and 'local_adam_shrunk': sparse updates with error
+feedback on the wire of Algorithm 1.
 
 Each worker runs Adam ('local_adam': v the moving average of g**2) or AdamS
 ('local_adams': v = b2 m_{t-1}**2 + (1 - b2) g**2, no state of its own) on
@@ -18,7 +18,9 @@ all-gather; 'local_adam_meanv' and 'local_adam_smoothv' are
 'local_adam_smoothv' whose chunks change owner every step (worker n chooses
 chunk (n + t) % N's mask at step t), and 'local_adam_debiased' is
 'local_adam_rotating' whose mask ranks by u**2 less its expected noise
-(`debiased_score`). Leaves that are never compressed (norms, biases) take
+(`debiased_score`), and 'local_adam_shrunk' is 'local_adam_rotating' whose
+mask ranks by the posterior mean of the workers' mean update
+(`shrunk_score`). Leaves that are never compressed (norms, biases) take
 Algorithm 1's dense path (m~ exchanged in full, AdamS's direction). The
 masks, the payload and the collectives are Algorithm 1's, byte for byte.
 
@@ -28,8 +30,8 @@ worker's own gradient in place of the mean gradient and, as SCAPE must, the
 mask chosen one step before it is used. docs/design.md ("SCAPE variants
 'local_adam', 'local_adams', 'local_adam_now'" and "SCAPE variants
 'local_adam_meanv', 'local_adam_smoothv'", "SCAPE variants
-'local_adam_rotating', 'local_adam_debiased'") says where they depart from
-the paper.
+'local_adam_rotating', 'local_adam_debiased', 'local_adam_shrunk'") says
+where they depart from the paper.
 """
 
 import functools
@@ -45,11 +47,12 @@ from scape_jax.optim import _scape
 
 
 # The variants with a third moment, w, and `smooth_v_direction`.
-SMOOTH_V = ('local_adam_smoothv', 'local_adam_rotating', 'local_adam_debiased')
+SMOOTH_V = ('local_adam_smoothv', 'local_adam_rotating', 'local_adam_debiased',
+            'local_adam_shrunk')
 # The variants whose mask is chosen in the step that uses it.
 _THIS_STEP = ('local_adam_now', 'local_adam_meanv') + SMOOTH_V
 # The variants whose chunks change owner every step.
-_ROTATING = ('local_adam_rotating', 'local_adam_debiased')
+_ROTATING = ('local_adam_rotating', 'local_adam_debiased', 'local_adam_shrunk')
 
 
 def init_local_state(variant: str, params, plan, per_worker) -> tuple:
@@ -125,7 +128,7 @@ def _chunk_masks(own_mask: list, global_masks: list, axis_name) -> list:
 
 def _local_updates(grad_leaves, state, count, plan, hyper) -> tuple:
   """(payload per leaf, the new local moments, the current update u or,
-  for 'local_adam_debiased', the score its mask ranks by).
+  for a `_SCORES` variant, the score its mask ranks by).
 
   A compressed leaf sends its pending update e + u, where u is the worker's
   own direction (`_local_step`); a dense leaf sends Algorithm 1's
@@ -154,9 +157,8 @@ def _local_updates(grad_leaves, state, count, plan, hyper) -> tuple:
 
 def _local_step(g, previous: list, count, num_workers: int, hyper) -> tuple:
   """(new moments, u, score): one worker's moments of one leaf from its
-  gradient `g`, its direction u and what its mask ranks (u, or for
-  'local_adam_debiased' `debiased_score`), per variant (`init_local_state`
-  has the moments).
+  gradient `g`, its direction u and what its mask ranks (u, or a `_SCORES`
+  function of u), per variant (`init_local_state` has the moments).
   """
   b1, b2, eps = hyper.b1, hyper.b2, hyper.eps
   m = b1 * previous[0] + (1.0 - b1) * g
@@ -175,10 +177,10 @@ def _local_step(g, previous: list, count, num_workers: int, hyper) -> tuple:
     w = b2 * previous[2] + (1.0 - b2) * m_hat * m_hat
     u = smooth_v_direction(m_hat, v / c2, w / c2, num_workers, b1=b1,
                            eps=eps)
-    if hyper.variant != 'local_adam_debiased':
+    if hyper.variant not in _SCORES:
       return (m, v, w), u, u
-    return (m, v, w), u, debiased_score(u, v / c2, w / c2, num_workers,
-                                        b1=b1, eps=eps)
+    noise = mean_update_noise(v / c2, w / c2, num_workers, b1=b1, eps=eps)
+    return (m, v, w), u, _SCORES[hyper.variant](u, noise)
   u = _common.bias_corrected_direction(m, v, count, b1=b1, b2=b2, eps=eps)
   return (m, v), u, u
 
@@ -242,24 +244,44 @@ def smooth_v_mean(v_hat, w_hat, num_workers: int, *, b1):
   return jnp.maximum(v_mean, v_hat / num_workers)
 
 
-def debiased_score(u, v_hat, w_hat, num_workers: int, *, b1, eps):
-  """What 'local_adam_debiased' ranks a chunk by: u**2 less its expected
-  noise, an unbiased estimate of the square of the workers' mean update.
+def debiased_score(u, noise):
+  """What 'local_adam_debiased' ranks a chunk by: max(x, 0) + 1e-3 u**2,
+  where x = u**2 - `noise` is an unbiased estimate of the square of the
+  workers' mean update. x is clamped at 0 (a square is not negative), and
+  the coordinates clamped there are ranked by u**2 with weight 1e-3. With
+  one worker it ranks as |u| does.
+  """
+  return jnp.maximum(u * u - noise, 0.0) + 1e-3 * (u * u)
+
+
+def shrunk_score(u, noise):
+  """What 'local_adam_shrunk' ranks a chunk by: |u| / (tau2 + `noise`).
+
+  Empirical Bayes: with the workers' mean update a priori N(0, tau2) over
+  the leaf and u = mean + noise of variance `noise`, the posterior mean of
+  the mean update is u tau2 / (tau2 + noise), and tau2 is estimated as
+  mean(u**2) - mean(noise) over the leaf (at least 1e-12); the top-k of the
+  posterior mean's magnitude is the top-k of this score. Unlike
+  `debiased_score`, a coordinate's noisy |u| cannot outrank a quieter
+  one's by its noise alone. With one worker it ranks as |u| does.
+  """
+  tau2 = jnp.maximum(jnp.mean(u * u) - jnp.mean(noise), 1e-12)
+  return jnp.abs(u) / (tau2 + noise)
+
+
+def mean_update_noise(v_hat, w_hat, num_workers: int, *, b1, eps):
+  """The variance of one worker's u around the workers' mean update.
 
   A worker's m^ differs from the workers' mean m^ by a moving average
   (rate b1) of its own gradient noise less the mean's, of variance
-  c (1 - 1/N) s2 (c and s2 as in `smooth_v_mean`); divided by the same
-  sqrt(v_mean) + eps as u, that is the variance of u around the workers'
-  mean update. The estimate x = u**2 - that is clamped at 0 (a square is
-  not negative), and the coordinates clamped there are ranked by u**2 with
-  weight 1e-3: max(x, 0) + 1e-3 u**2. With one worker it ranks as |u|
-  does.
+  c (1 - 1/N) s2 with c = (1 - b1) / (1 + b1) and s2 = max(v^ - w^, 0) /
+  (1 - c) the worker's gradient variance (`smooth_v_mean`); u divides m^ by
+  sqrt(v_mean) + eps, and so does this its standard deviation.
   """
   c = (1.0 - b1) / (1.0 + b1)
   scale = jnp.sqrt(smooth_v_mean(v_hat, w_hat, num_workers, b1=b1)) + eps
   s2 = jnp.maximum(v_hat - w_hat, 0.0) / (1.0 - c)
-  noise = c * (1.0 - 1.0 / num_workers) * s2 / (scale * scale)
-  return jnp.maximum(u * u - noise, 0.0) + 1e-3 * (u * u)
+  return c * (1.0 - 1.0 / num_workers) * s2 / (scale * scale)
 
 
 def _apply(mean, sent, global_masks, mu, count, plan, hyper) -> tuple:
@@ -288,3 +310,9 @@ def _apply(mean, sent, global_masks, mu, count, plan, hyper) -> tuple:
       residual.append(masks.set_at(sent[j], layout, mask.offsets,
                                    jnp.zeros_like(values))[None])
   return direction, residual, mu_out
+
+
+# The variants whose mask ranks by an estimate of the workers' mean update
+# from u and its noise (`mean_update_noise`), not by u.
+_SCORES = {'local_adam_debiased': debiased_score,
+           'local_adam_shrunk': shrunk_score}

@@ -44,9 +44,13 @@ import jax.numpy as jnp
 #   chunk is ranked by one worker's (slowly changing) noise for long.
 # 'local_adam_debiased': 'local_adam_rotating' whose mask ranks by u**2 less
 #   its expected noise, an unbiased estimate of the mean update's square.
+# 'local_adam_shrunk': 'local_adam_rotating' whose mask ranks by the
+#   posterior mean of the mean update, |u| / (tau2 + noise) (empirical Bayes
+#   over the leaf), so noisy coordinates do not outrank quiet ones.
 LOCAL_OPTIMIZERS = ('local_adam', 'local_adams', 'local_adam_now',
                     'local_adam_meanv', 'local_adam_smoothv',
-                    'local_adam_rotating', 'local_adam_debiased')
+                    'local_adam_rotating', 'local_adam_debiased',
+                    'local_adam_shrunk')
 VARIANTS = ('faithful', 'fresh', 'carry', 'carry_v', 'carry_vi', 'stale',
             'local', 'local_stale') + LOCAL_OPTIMIZERS
 
