@@ -275,8 +275,8 @@ def mean_update_noise(v_hat, w_hat, num_workers: int, *, b1, eps):
   A worker's m^ differs from the workers' mean m^ by a moving average
   (rate b1) of its own gradient noise less the mean's, of variance
   c (1 - 1/N) s2 with c = (1 - b1) / (1 + b1) and s2 = max(v^ - w^, 0) /
-  (1 - c) the worker's gradient variance (`smooth_v_mean`); u divides m^ by
-  sqrt(v_mean) + eps, and so does this its standard deviation.
+  (1 - c) the worker's gradient variance (`smooth_v_mean`). u is m^ over
+  sqrt(v_mean) + eps, so its variance is that over (sqrt(v_mean) + eps)**2.
   """
   c = (1.0 - b1) / (1.0 + b1)
   scale = jnp.sqrt(smooth_v_mean(v_hat, w_hat, num_workers, b1=b1)) + eps
