@@ -4,6 +4,8 @@ Each variant of `scale_by_scape` against Algorithm 1 and against issue 12's
 targets, from the grid's eval losses only.
 """
 
+import statistics
+
 import fidelity
 
 TARGETS = {0.1: 0.02, 0.01: 0.05}  # issue 12: the variant vs AdamS, per density
@@ -24,11 +26,10 @@ def seed_gaps(runs: dict, method: str) -> dict:
 def mean_and_error(values) -> tuple:
   """(mean, standard error of the mean; 0 for one value)."""
   values = list(values)
-  mean = sum(values) / len(values)
   if len(values) < 2:
-    return mean, 0.0
-  var = sum((x - mean) ** 2 for x in values) / (len(values) - 1)
-  return mean, (var / len(values)) ** 0.5
+    return statistics.fmean(values), 0.0
+  return (statistics.fmean(values),
+          statistics.stdev(values) / len(values) ** 0.5)
 
 
 def _target_cell(gaps: dict, target: float) -> tuple:

@@ -14,13 +14,12 @@ in its own chunk. 'local_adam_now' uses this step's mask, chosen from this
 step's update before the exchange, which then waits for the mask
 all-gather; 'local_adam_meanv' and 'local_adam_smoothv' are
 'local_adam_now' whose v estimates the mean gradient's second moment
-(`mean_v_direction`, `smooth_v_direction`); 'local_adam_rotating' is
+(`mean_v_direction`, `smooth_v_direction`). 'local_adam_rotating' is
 'local_adam_smoothv' whose chunks change owner every step (worker n chooses
-chunk (n + t) % N's mask at step t), and 'local_adam_debiased' is
-'local_adam_rotating' whose mask ranks by u**2 less its expected noise
-(`debiased_score`), and 'local_adam_shrunk' is 'local_adam_rotating' whose
-mask ranks by the posterior mean of the workers' mean update
-(`shrunk_score`). Leaves that are never compressed (norms, biases) take
+chunk (n + t) % N's mask at step t); 'local_adam_debiased' and
+'local_adam_shrunk' are 'local_adam_rotating' whose mask ranks by an
+estimate of the workers' mean update from u and its noise: u**2 less that
+noise (`debiased_score`), or the posterior mean (`shrunk_score`). Leaves that are never compressed (norms, biases) take
 Algorithm 1's dense path (m~ exchanged in full, AdamS's direction). The
 masks, the payload and the collectives are Algorithm 1's, byte for byte.
 
