@@ -164,8 +164,9 @@ class LocalAdamReference(ScapeReference):
   `adams`, 'local_adams', with `now`, 'local_adam_now', with `now` and
   `mean_v`, 'local_adam_meanv', with `now` and `smooth_v`,
   'local_adam_smoothv', with `now`, `smooth_v` and `rotate`,
-  'local_adam_rotating', and with `score='debiased'` or `'shrunk'` too,
-  'local_adam_debiased' or 'local_adam_shrunk' (docs/design.md):
+  'local_adam_rotating', and with `score='debiased'`, `'shrunk'` or
+  `'slab'` too, 'local_adam_debiased', 'local_adam_shrunk' or
+  'local_adam_slab' (docs/design.md):
   each worker clips its own gradient and runs Adam (AdamS:
   v = b2 m_{t-1}**2 + (1 - b2) g**2) on it per compressed leaf; its residual holds the updates not applied yet;
   the step at M is the mean of the workers' pending updates there, the next
@@ -235,6 +236,8 @@ class LocalAdamReference(ScapeReference):
             tau2 = max(float(np.mean(now.astype(np.float64)**2) -
                              np.mean(noise.astype(np.float64))), 1e-12)
             score = np.abs(now) / (np.float32(tau2) + noise)
+          if self.score == 'slab':  # ... under a spike-and-slab prior
+            score = slab_posterior_mean(now, noise)
           current.append([score if i == j else None
                           for i in range(len(self.w))])
           pending.append((self.e[n][j] + now).astype(np.float32))
@@ -254,6 +257,26 @@ class LocalAdamReference(ScapeReference):
           self.mask[j] = self._refresh(j, current)
       self.w[j] = (self.w[j] - lr * (u + self.wd * self.w[j])).astype(
           np.float32)
+
+
+def slab_posterior_mean(u, noise, iterations=5):
+  """|E[mean update | u]| per coordinate in float64, under the prior
+  'mean update = 0 w.p. 1 - pi, ~ N(0, t) w.p. pi' with pi and t fitted to
+  u ~ mean update + N(0, noise) by EM from pi = 1/2, t = 2 (mean(u**2) -
+  mean(noise)); pi is kept in [1e-4, 1]."""
+  u, n = u.astype(np.float64), np.maximum(noise.astype(np.float64), 1e-12)
+
+  def slab(pi, t):  # P(slab | u) by Bayes' rule on the two normal densities
+    log_slab = np.log(pi) - 0.5 * np.log(t + n) - 0.5 * u**2 / (t + n)
+    log_spike = np.log1p(-min(pi, 1 - 1e-6)) - 0.5 * np.log(n) - 0.5 * u**2 / n
+    return 1 / (1 + np.exp(np.clip(log_spike - log_slab, -700, 700)))
+
+  pi, t = 0.5, 2 * max(np.mean(u**2) - np.mean(noise), 1e-12)
+  for _ in range(iterations):
+    r, s = slab(pi, t), t / (t + n)
+    pi = min(max(np.mean(r), 1e-4), 1.0)
+    t = max(np.sum(r * (s * s * u**2 + s * n)) / max(np.sum(r), 1e-12), 1e-12)
+  return (slab(pi, t) * np.abs(u) * t / (t + n)).astype(np.float32)
 
 
 def lora_reference(x, kernel, bias, lora_a, lora_b, scale, cotangent):

@@ -1,7 +1,7 @@
 """SCAPE variants 'local_adam', 'local_adams', 'local_adam_now',
 'local_adam_meanv', 'local_adam_smoothv', 'local_adam_rotating',
-'local_adam_debiased' and 'local_adam_shrunk': sparse updates with error
-feedback on the wire of Algorithm 1.
+'local_adam_debiased', 'local_adam_shrunk' and 'local_adam_slab': sparse
+updates with error feedback on the wire of Algorithm 1.
 
 Each worker runs Adam ('local_adam': v the moving average of g**2) or AdamS
 ('local_adams': v = b2 m_{t-1}**2 + (1 - b2) g**2, no state of its own) on
@@ -16,10 +16,12 @@ all-gather; 'local_adam_meanv' and 'local_adam_smoothv' are
 'local_adam_now' whose v estimates the mean gradient's second moment
 (`mean_v_direction`, `smooth_v_direction`). 'local_adam_rotating' is
 'local_adam_smoothv' whose chunks change owner every step (worker n chooses
-chunk (n + t) % N's mask at step t); 'local_adam_debiased' and
-'local_adam_shrunk' are 'local_adam_rotating' whose mask ranks by an
-estimate of the workers' mean update from u and its noise: u**2 less that
-noise (`debiased_score`), or the posterior mean (`shrunk_score`). Leaves that are never compressed (norms, biases) take
+chunk (n + t) % N's mask at step t); 'local_adam_debiased',
+'local_adam_shrunk' and 'local_adam_slab' are 'local_adam_rotating' whose
+mask ranks by an estimate of the workers' mean update from u and its noise:
+u**2 less that noise (`debiased_score`), or the posterior mean under a
+normal prior (`shrunk_score`) or a spike-and-slab one (`slab_score`).
+Leaves that are never compressed (norms, biases) take
 Algorithm 1's dense path (m~ exchanged in full, AdamS's direction). The
 masks, the payload and the collectives are Algorithm 1's, byte for byte.
 
@@ -29,8 +31,8 @@ worker's own gradient in place of the mean gradient and, as SCAPE must, the
 mask chosen one step before it is used. docs/design.md ("SCAPE variants
 'local_adam', 'local_adams', 'local_adam_now'" and "SCAPE variants
 'local_adam_meanv', 'local_adam_smoothv'", "SCAPE variants
-'local_adam_rotating', 'local_adam_debiased', 'local_adam_shrunk'") says
-where they depart from the paper.
+'local_adam_rotating', 'local_adam_debiased', 'local_adam_shrunk'",
+"SCAPE variant 'local_adam_slab'") says where they depart from the paper.
 """
 
 import functools
@@ -47,11 +49,12 @@ from scape_jax.optim import _scape
 
 # The variants with a third moment, w, and `smooth_v_direction`.
 SMOOTH_V = ('local_adam_smoothv', 'local_adam_rotating', 'local_adam_debiased',
-            'local_adam_shrunk')
+            'local_adam_shrunk', 'local_adam_slab')
 # The variants whose mask is chosen in the step that uses it.
 _THIS_STEP = ('local_adam_now', 'local_adam_meanv') + SMOOTH_V
 # The variants whose chunks change owner every step.
-_ROTATING = ('local_adam_rotating', 'local_adam_debiased', 'local_adam_shrunk')
+_ROTATING = ('local_adam_rotating', 'local_adam_debiased', 'local_adam_shrunk',
+             'local_adam_slab')
 
 
 def init_local_state(variant: str, params, plan, per_worker) -> tuple:
@@ -268,6 +271,45 @@ def shrunk_score(u, noise):
   return jnp.abs(u) / (tau2 + noise)
 
 
+# EM iterations `slab_score` fits its prior with.
+SLAB_ITERATIONS = 5
+
+
+def slab_score(u, noise):
+  """What 'local_adam_slab' ranks a chunk by: the magnitude of the posterior
+  mean of the workers' mean update under a spike-and-slab prior.
+
+  Empirical Bayes as in `shrunk_score`, with a prior that has a spike: over
+  the leaf the mean update is 0 with probability 1 - pi and N(0, t)
+  with probability pi, and u is it plus noise of variance `noise`. pi and t
+  are fitted to the leaf's u by `SLAB_ITERATIONS` steps of EM from pi = 1/2,
+  t = 2 tau2 (`shrunk_score`'s tau2). The posterior mean is
+  r u t / (t + noise), r the posterior probability of the slab: a large |u|
+  is mostly signal (r near 1, shrunk by t / (t + noise) with t larger than
+  tau2), a small one mostly noise. With pi = 1 the prior is
+  `shrunk_score`'s normal; with one worker (no noise) it ranks as |u| does.
+  """
+  n = jnp.maximum(noise, 1e-12)
+  u2 = u * u
+  pi = jnp.asarray(0.5, jnp.float32)
+  t = 2.0 * jnp.maximum(jnp.mean(u2) - jnp.mean(noise), 1e-12)
+  for _ in range(SLAB_ITERATIONS):
+    r = _slab_probability(u2, n, pi, t)
+    s = t / (t + n)  # the slab's posterior: mean s u, variance s n
+    pi = jnp.clip(jnp.mean(r), 1e-4, 1.0)
+    t = jnp.maximum(jnp.sum(r * (s * s * u2 + s * n)) /
+                    jnp.maximum(jnp.sum(r), 1e-12), 1e-12)
+  return _slab_probability(u2, n, pi, t) * jnp.abs(u) * t / (t + n)
+
+
+def _slab_probability(u2, n, pi, t):
+  """P(slab | u) for u**2 = `u2`: the sigmoid of the log-odds
+  log(pi / (1 - pi)) + log N(u; 0, t + n) - log N(u; 0, n)."""
+  logit = (jnp.log(pi) - jnp.log1p(-jnp.minimum(pi, 1.0 - 1e-6))
+           + 0.5 * jnp.log(n / (t + n)) + 0.5 * u2 * (1.0 / n - 1.0 / (t + n)))
+  return jax.nn.sigmoid(logit)
+
+
 def mean_update_noise(v_hat, w_hat, num_workers: int, *, b1, eps):
   """The variance of one worker's u around the workers' mean update.
 
@@ -314,4 +356,5 @@ def _apply(mean, sent, global_masks, mu, count, plan, hyper) -> tuple:
 # The variants whose mask ranks by an estimate of the workers' mean update
 # from u and its noise (`mean_update_noise`), not by u.
 _SCORES = {'local_adam_debiased': debiased_score,
-           'local_adam_shrunk': shrunk_score}
+           'local_adam_shrunk': shrunk_score,
+           'local_adam_slab': slab_score}
