@@ -79,8 +79,12 @@ def _extra_seeds_text() -> str:
     names = ', '.join(f'`{m}`' for m in methods if m != 'AdamS')
     parts.append(f'{"the base point" if axis == "base" else axis + "=" + value}'
                  f': {names}')
+  many = ', '.join(f'`{m}`' for methods in fidelity.MANY_SEED_METHODS.values()
+                   for m in methods if m != 'AdamS')
   return (f'seeds {every} for ' + '; '.join(parts) + ' (and AdamS there); '
-          'seeds ' + ', '.join(map(str, fidelity.SEEDS)) + ' elsewhere')
+          'seeds ' + ', '.join(map(str, fidelity.MANY_SEEDS)) + ' too for ' +
+          many + ' at the base point; seeds ' +
+          ', '.join(map(str, fidelity.SEEDS)) + ' elsewhere')
 
 
 def gap_table(grid: dict) -> list:

@@ -288,3 +288,23 @@ def test_targets_table_judges_every_seed_and_the_mean(monkeypatch):
   assert lines[6].startswith('Targets met by the mean gap over the seeds '
                              'run, not on every seed: v at b2 = 0.95, d = '
                              '0.1 (5 seeds)')
+
+
+def test_targets_section_leaves_out_methods_not_run(monkeypatch):
+  """`fidelity_variants.targets_section`: only methods with a run get a
+  row, and each run's eval loss is listed under its b2 and seed."""
+  import fidelity_variants  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(fidelity_variants.fidelity, 'VARIANTS', ('v', 'w'))
+  grid = {('base', ''): {'AdamS': {0: {'eval_loss': 2.0}},
+                         'v d=0.1': {0: {'eval_loss': 2.02}, 3: {
+                             'eval_loss': 2.1}}},
+          ('warmup', '0'): {'AdamS': {1: {'eval_loss': 9.0}}}}
+  lines = fidelity_variants.targets_section(grid, 'runs/x')
+  rows = [x for x in lines if x.startswith('| ')]
+  assert [r.split(' | ')[0] for r in rows[:2]] == ['| method', '| v']
+  assert '+1.0% (s0 +1.0; **meets**, every seed)' in rows[1]
+  assert rows[1].count('not run') == 3  # d = 0.01 and b2 = 0.999
+  rest = ' | -' * (len(fidelity_variants.fidelity.ALL_SEEDS) - 4) + ' |'
+  assert rows[-2:] == ['| 0.95 | AdamS | 2.0000 | - | - | -' + rest,
+                       '| 0.95 | v d=0.1 | 2.0200 | - | - | 2.1000' + rest]
+  assert not any('9.0000' in x for x in lines)  # not a targets point
