@@ -396,7 +396,8 @@ def main():
   elif args.cmd == 'targets':
     import fidelity_report  # pylint: disable=g-import-not-at-top
     import fidelity_variants  # pylint: disable=g-import-not-at-top
-    fidelity_report.results_md.replace_section(
+    import results_md  # pylint: disable=g-import-not-at-top
+    results_md.replace_section(
         fidelity_report.DOC, 'fidelity-targets',
         fidelity_variants.targets_section(
             fidelity_report.load_grid(args.out), args.out))

@@ -28,10 +28,9 @@ def seed_gaps(runs: dict, method: str) -> dict:
 def mean_and_error(values) -> tuple:
   """(mean, standard error of the mean; 0 for one value)."""
   values = list(values)
-  if len(values) < 2:
-    return statistics.fmean(values), 0.0
-  return (statistics.fmean(values),
-          statistics.stdev(values) / len(values) ** 0.5)
+  error = (statistics.stdev(values) / len(values) ** 0.5
+           if len(values) > 1 else 0.0)
+  return statistics.fmean(values), error
 
 
 def _target_cell(gaps: dict, target: float) -> tuple:

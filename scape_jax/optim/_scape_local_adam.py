@@ -47,14 +47,15 @@ from scape_jax.optim import _common
 from scape_jax.optim import _scape
 
 
+# The variants whose mask ranks by an estimate of the workers' mean update
+# from u and its noise, not by u (`_SCORES` has each one's score).
+_SCORED = ('local_adam_debiased', 'local_adam_shrunk', 'local_adam_slab')
+# The variants whose chunks change owner every step.
+_ROTATING = ('local_adam_rotating',) + _SCORED
 # The variants with a third moment, w, and `smooth_v_direction`.
-SMOOTH_V = ('local_adam_smoothv', 'local_adam_rotating', 'local_adam_debiased',
-            'local_adam_shrunk', 'local_adam_slab')
+SMOOTH_V = ('local_adam_smoothv',) + _ROTATING
 # The variants whose mask is chosen in the step that uses it.
 _THIS_STEP = ('local_adam_now', 'local_adam_meanv') + SMOOTH_V
-# The variants whose chunks change owner every step.
-_ROTATING = ('local_adam_rotating', 'local_adam_debiased', 'local_adam_shrunk',
-             'local_adam_slab')
 
 
 def init_local_state(variant: str, params, plan, per_worker) -> tuple:
@@ -267,8 +268,13 @@ def shrunk_score(u, noise):
   `debiased_score`, a coordinate's noisy |u| cannot outrank a quieter
   one's by its noise alone. With one worker it ranks as |u| does.
   """
-  tau2 = jnp.maximum(jnp.mean(u * u) - jnp.mean(noise), 1e-12)
-  return jnp.abs(u) / (tau2 + noise)
+  return jnp.abs(u) / (_leaf_prior_variance(u, noise) + noise)
+
+
+def _leaf_prior_variance(u, noise):
+  """tau2 = mean(u**2) - mean(`noise`) over the leaf, at least 1e-12: the
+  variance of the workers' mean update, estimated by moments."""
+  return jnp.maximum(jnp.mean(u * u) - jnp.mean(noise), 1e-12)
 
 
 # EM iterations `slab_score` fits its prior with.
@@ -292,7 +298,7 @@ def slab_score(u, noise):
   n = jnp.maximum(noise, 1e-12)
   u2 = u * u
   pi = jnp.asarray(0.5, jnp.float32)
-  t = 2.0 * jnp.maximum(jnp.mean(u2) - jnp.mean(noise), 1e-12)
+  t = 2.0 * _leaf_prior_variance(u, noise)
   for _ in range(SLAB_ITERATIONS):
     r = _slab_probability(u2, n, pi, t)
     s = t / (t + n)  # the slab's posterior: mean s u, variance s n
@@ -353,8 +359,8 @@ def _apply(mean, sent, global_masks, mu, count, plan, hyper) -> tuple:
   return direction, residual, mu_out
 
 
-# The variants whose mask ranks by an estimate of the workers' mean update
-# from u and its noise (`mean_update_noise`), not by u.
+# The score of each `_SCORED` variant, a function of u and its noise
+# (`mean_update_noise`).
 _SCORES = {'local_adam_debiased': debiased_score,
            'local_adam_shrunk': shrunk_score,
            'local_adam_slab': slab_score}
