@@ -142,6 +142,7 @@ def test_malformed_overrides(override):
 @pytest.mark.parametrize('override,match', [
     ('--config.optimizer.scape.density=0', 'density'),
     ('--config.optimizer.scape.density=1.5', 'density'),
+    ('--config.optimizer.scape.density_levels=1', 'density_levels'),
     ('--config.steps=0', 'steps'),
     ('--config.optimizer.lr=0', 'lr'),
     ('--config.optimizer.lr=nan', 'lr'),

@@ -379,6 +379,16 @@ def test_density_warmup_compiles_one_program_per_level():
   assert all(a >= b for a, b in zip(seen, seen[1:]))
 
 
+def test_density_levels_caps_the_levels():
+  np.testing.assert_allclose(
+      scape_jax.DensitySchedule(0.01, 100, max_levels=3).levels,
+      [1.0, 0.1, 0.01], rtol=1e-12)
+  assert len(scape_jax.DensitySchedule(0.01, 100).levels) == 8  # default
+  assert len(scape_jax.DensitySchedule(0.01, 2, max_levels=5).levels) == 3
+  with pytest.raises(ValueError, match=r'max_levels=1 .*>= 2'):
+    scape_jax.DensitySchedule(0.01, 100, max_levels=1)
+
+
 def test_switch_fallback_equals_static_levels():
   params = _params(0, {'w': (24, 10), 'b': (10,)})
   grads = _worker_grads(params, 4, 8)

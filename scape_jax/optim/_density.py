@@ -25,6 +25,10 @@ class DensitySchedule:
     if self.warmup_steps < 0:
       raise ValueError(
           f'density_warmup_steps={self.warmup_steps!r} must be >= 0.')
+    if not isinstance(self.max_levels, int) or self.max_levels < 2:
+      raise ValueError(
+          f'max_levels={self.max_levels!r} (optimizer.scape.density_levels) '
+          'must be an integer >= 2: density 1 and the final density.')
 
   @property
   def levels(self) -> tuple:

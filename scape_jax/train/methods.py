@@ -181,6 +181,8 @@ register(MethodSpec('adams', _build_adams, supports_fsdp=True, dense=True,
 class ScapeConfig:
   density: float = 0.01  # Fraction of each compressed leaf sent, in (0, 1].
   density_warmup_steps: int = 0  # Exponential warmup from density 1.
+  # Its levels, each one compiled program (at most; >= 2).
+  density_levels: int = 8
   mask_encoding: str = 'auto'  # One of comm.masks.ENCODINGS.
   select: str = 'auto'  # Top-k of the next mask, one of comm.topk.SELECTS.
   offload: bool = False  # The residual in host memory between steps.
@@ -201,7 +203,8 @@ class ScapeConfig:
 
 def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
   schedule = scape_lib.DensitySchedule(section.density,
-                                       section.density_warmup_steps)
+                                       section.density_warmup_steps,
+                                       section.density_levels)
   alias = scape_dist_lib.scape_dist if section.distributed else scape_lib.scape
   if section.distributed and section.variant != 'faithful':
     raise ValueError(f'scape: variant={section.variant!r} is for Algorithm 1; '
