@@ -28,7 +28,7 @@ from scape_jax.data import prepare
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = REPO / 'train.py'
 STEPS = 4
-TIMEOUT_S = 400  # per run (all of its processes together); a hang guard, generous for a loaded machine
+TIMEOUT_S = 400  # per test (runs A and B together); a hang guard, generous for a loaded machine
 # Cuts the XLA:CPU compile time of each run about in half; both runs use it.
 FAST_COMPILE = ('--xla_backend_optimization_level=0 '
                 '--xla_llvm_disable_expensive_passes=true')
@@ -92,11 +92,12 @@ def _config_args(data_dir, out_dir, optimizer: str) -> list:
   return [f'--config.{k}={v}' for k, v in overrides.items()]
 
 
-def _run(commands: list, env: dict, cwd, logs: list) -> None:
-  """Runs `commands` at once; fails (with their output) unless all exit 0."""
+def _run(commands: list, envs: list, cwd, logs: list) -> None:
+  """Runs `commands` at once, each in its environment; fails (with their
+  output) unless all exit 0."""
   procs, files = [], []
   try:
-    for cmd, log in zip(commands, logs):
+    for cmd, env, log in zip(commands, envs, logs):
       f = open(log, 'wb')  # pylint: disable=consider-using-with
       files.append(f)
       procs.append(subprocess.Popen(cmd, env=env, cwd=cwd, stdout=f,
@@ -155,20 +156,18 @@ def data_dir(tmp_path_factory):
 
 @pytest.mark.parametrize('optimizer', ['scape', 'scape-bf16', 'adamw'])
 def test_two_processes_match_one_process(optimizer, data_dir, tmp_path):
-  # Run A: 1 process, 2 devices.
-  out_a = tmp_path / 'a'
-  _run([[sys.executable, str(TRAIN), *_config_args(data_dir, out_a,
-                                                   optimizer)]],
-       _env(2), tmp_path, [tmp_path / 'a.log'])
-
-  # Run B: 2 processes, 1 device each, one shared out_dir (orbax writes the
-  # checkpoint from both; only process 0 writes metrics).
-  out_b = tmp_path / 'b'
+  # Run A: 1 process, 2 devices. Run B: 2 processes, 1 device each, one
+  # shared out_dir (orbax writes the checkpoint from both; only process 0
+  # writes metrics). A and B run side by side (compiling dominates both).
+  out_a, out_b = tmp_path / 'a', tmp_path / 'b'
   coordinator = f'127.0.0.1:{_free_port()}'
-  _run([[sys.executable, str(TRAIN), '--coordinator', coordinator,
-         '--num-processes', '2', '--process-id', str(i),
-         *_config_args(data_dir, out_b, optimizer)] for i in range(2)],
-       _env(1), tmp_path, [tmp_path / f'b{i}.log' for i in range(2)])
+  run_a = [sys.executable, str(TRAIN), *_config_args(data_dir, out_a,
+                                                     optimizer)]
+  run_b = [[sys.executable, str(TRAIN), '--coordinator', coordinator,
+            '--num-processes', '2', '--process-id', str(i),
+            *_config_args(data_dir, out_b, optimizer)] for i in range(2)]
+  _run([run_a, *run_b], [_env(2), _env(1), _env(1)], tmp_path,
+       [tmp_path / 'a.log', tmp_path / 'b0.log', tmp_path / 'b1.log'])
 
   train_a, eval_a = _metrics(out_a)
   train_b, eval_b = _metrics(out_b)
