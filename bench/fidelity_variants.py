@@ -170,6 +170,10 @@ VARIANT_NOTES = {  # what each variant changes (docs/design.md has more)
                        'probability pi), pi and t fitted to the leaf by EM, '
                        'so a large |u| is shrunk less than under one normal '
                        'prior',
+    'local_adam_tempered': 'is `local_adam_shrunk` assuming half the noise '
+                           '(|u| / (tau2 + noise / 2)), a milder discount of '
+                           'noisy coordinates, the constant chosen on seeds '
+                           '1 and 4',
 }
 
 

@@ -164,9 +164,9 @@ class LocalAdamReference(ScapeReference):
   `adams`, 'local_adams', with `now`, 'local_adam_now', with `now` and
   `mean_v`, 'local_adam_meanv', with `now` and `smooth_v`,
   'local_adam_smoothv', with `now`, `smooth_v` and `rotate`,
-  'local_adam_rotating', and with `score='debiased'`, `'shrunk'` or
-  `'slab'` too, 'local_adam_debiased', 'local_adam_shrunk' or
-  'local_adam_slab' (docs/design.md):
+  'local_adam_rotating', and with `score='debiased'`, `'shrunk'`,
+  `'tempered'` or `'slab'` too, 'local_adam_debiased', 'local_adam_shrunk',
+  'local_adam_tempered' or 'local_adam_slab' (docs/design.md):
   each worker clips its own gradient and runs Adam (AdamS:
   v = b2 m_{t-1}**2 + (1 - b2) g**2) on it per compressed leaf; its residual holds the updates not applied yet;
   the step at M is the mean of the workers' pending updates there, the next
@@ -229,10 +229,12 @@ class LocalAdamReference(ScapeReference):
           if self.score:  # the variance of now around the workers' mean
             s2 = np.maximum(self.v_local[n][j] / c2 - w_hat, 0) / (1 - c)
             noise = c * (1 - 1 / self.n) * s2 / (np.sqrt(v_hat) + eps)**2
+          if self.score == 'tempered':  # 'shrunk' assuming half the noise
+            noise = np.float32(0.5) * noise
           if self.score == 'debiased':  # now**2 less it, clamped at 0
             score = (np.maximum(now**2 - noise, 0) +
                      np.float32(1e-3) * now**2)
-          if self.score == 'shrunk':  # the posterior mean's magnitude
+          if self.score in ('shrunk', 'tempered'):  # |posterior mean|
             tau2 = max(float(np.mean(now.astype(np.float64)**2) -
                              np.mean(noise.astype(np.float64))), 1e-12)
             score = np.abs(now) / (np.float32(tau2) + noise)

@@ -169,6 +169,8 @@ def test_matches_numpy_simulation_of_algorithm_1(density, variant):
                                              (0.01, 'local_adam_debiased'),
                                              (0.1, 'local_adam_shrunk'),
                                              (0.01, 'local_adam_shrunk'),
+                                             (0.1, 'local_adam_tempered'),
+                                             (0.01, 'local_adam_tempered'),
                                              (0.1, 'local_adam_slab'),
                                              (0.01, 'local_adam_slab')])
 def test_local_adam_matches_numpy(density, variant):
@@ -194,7 +196,7 @@ def check_local_adam(density, variant, informed=None):
                        variant=variant)
   run = Runner(tx, params, n)
   smooth = ('local_adam_smoothv', 'local_adam_rotating', 'local_adam_debiased',
-            'local_adam_shrunk', 'local_adam_slab')
+            'local_adam_shrunk', 'local_adam_tempered', 'local_adam_slab')
   ref = LocalAdamReference([params[k] for k in names], compressed, n,
                            adams=variant == 'local_adams',
                            now=variant in ('local_adam_now',
@@ -204,6 +206,7 @@ def check_local_adam(density, variant, informed=None):
                            rotate=variant in smooth[1:],  # all but smoothv
                            score={'local_adam_debiased': 'debiased',
                                   'local_adam_shrunk': 'shrunk',
+                                  'local_adam_tempered': 'tempered',
                                   'local_adam_slab': 'slab'}.get(variant),
                            informed=informed, density=density, eps=eps,
                            clip=clip,

@@ -47,13 +47,16 @@ import jax.numpy as jnp
 # 'local_adam_shrunk': 'local_adam_rotating' whose mask ranks by the
 #   posterior mean of the mean update, |u| / (tau2 + noise) (empirical Bayes
 #   over the leaf), so noisy coordinates do not outrank quiet ones.
+# 'local_adam_tempered': 'local_adam_shrunk' that assumes half the noise,
+#   a milder discount of noisy coordinates (chosen by measurement).
 # 'local_adam_slab': 'local_adam_shrunk' whose prior has a spike at zero
 #   (a spike-and-slab prior fitted per leaf by EM), so a large |u| is
 #   shrunk less than a small one.
 LOCAL_OPTIMIZERS = ('local_adam', 'local_adams', 'local_adam_now',
                     'local_adam_meanv', 'local_adam_smoothv',
                     'local_adam_rotating', 'local_adam_debiased',
-                    'local_adam_shrunk', 'local_adam_slab')
+                    'local_adam_shrunk', 'local_adam_tempered',
+                    'local_adam_slab')
 VARIANTS = ('faithful', 'fresh', 'carry', 'carry_v', 'carry_vi', 'stale',
             'local', 'local_stale') + LOCAL_OPTIMIZERS
 
