@@ -180,6 +180,9 @@ def run_one(spec: dict) -> dict:
   if 'inform' in spec:
     import fidelity_information  # pylint: disable=g-import-not-at-top
     fidelity_information.inform(spec['inform'])
+  if 'noise_scale' in spec:
+    import fidelity_temper  # pylint: disable=g-import-not-at-top
+    fidelity_temper.scale_noise(spec['noise_scale'])
   run_dir = spec['run_dir']
   shutil.rmtree(run_dir, ignore_errors=True)
   overrides = dict(spec['overrides'])

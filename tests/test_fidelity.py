@@ -308,3 +308,21 @@ def test_targets_section_leaves_out_methods_not_run(monkeypatch):
   assert rows[-2:] == ['| 0.95 | AdamS | 2.0000 | - | - | -' + rest,
                        '| 0.95 | v d=0.1 | 2.0200 | - | - | 2.1000' + rest]
   assert not any('9.0000' in x for x in lines)  # not a targets point
+
+
+def test_noise_scale_of_the_temper_study_is_shrunk_at_1_and_tempered_at_half(
+    monkeypatch):
+  import fidelity_temper  # pylint: disable=g-import-not-at-top
+  scores = _scape_local_adam._SCORES  # pylint: disable=protected-access
+  rng = np.random.default_rng(0)
+  u = jnp.asarray(rng.normal(size=(64, 8)), jnp.float32)
+  noise = jnp.asarray(rng.uniform(0, 2, size=(64, 8)), jnp.float32)
+  expected = {1.0: _scape_local_adam.shrunk_score(u, noise),
+              0.5: _scape_local_adam.tempered_score(u, noise)}
+  for kappa, score in expected.items():
+    monkeypatch.setitem(scores, 'local_adam_shrunk',
+                        scores['local_adam_shrunk'])
+    fidelity_temper.scale_noise(kappa)
+    np.testing.assert_array_equal(scores['local_adam_shrunk'](u, noise),
+                                  score)
+  assert not np.array_equal(expected[0.5], expected[1.0])
