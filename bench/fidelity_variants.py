@@ -174,6 +174,9 @@ VARIANT_NOTES = {  # what each variant changes (docs/design.md has more)
                            '(|u| / (tau2 + noise / 2)), a milder discount of '
                            'noisy coordinates, the constant chosen on seeds '
                            '1 and 4',
+    'local_adam_leaky': 'is `local_adam_shrunk` whose pending update decays '
+                        'by 0.98 per step (each worker sends 0.98 e + u and '
+                        'keeps it outside M)',
 }
 
 

@@ -166,7 +166,9 @@ class LocalAdamReference(ScapeReference):
   'local_adam_smoothv', with `now`, `smooth_v` and `rotate`,
   'local_adam_rotating', and with `score='debiased'`, `'shrunk'`,
   `'tempered'` or `'slab'` too, 'local_adam_debiased', 'local_adam_shrunk',
-  'local_adam_tempered' or 'local_adam_slab' (docs/design.md):
+  'local_adam_tempered' or 'local_adam_slab', and with `score='shrunk'` and
+  `leak` (the pending update kept per step) 'local_adam_leaky'
+  (docs/design.md):
   each worker clips its own gradient and runs Adam (AdamS:
   v = b2 m_{t-1}**2 + (1 - b2) g**2) on it per compressed leaf; its residual holds the updates not applied yet;
   the step at M is the mean of the workers' pending updates there, the next
@@ -175,10 +177,11 @@ class LocalAdamReference(ScapeReference):
 
   def __init__(self, params, compressed, n, adams=False, now=False,
                mean_v=False, smooth_v=False, rotate=False, score=None,
-               informed=None, **kwargs):
+               informed=None, leak=None, **kwargs):
     super().__init__(params, compressed, n, **kwargs)
     self.adams, self.now, self.mean_v = adams, now, mean_v
     self.smooth_v, self.rotate, self.score = smooth_v, rotate, score
+    self.leak = leak
     # The study's informed runs (bench/fidelity_information.py): 'mask',
     # masks from the workers' mean current update; 'v', v from the mean
     # (clipped) gradient.
@@ -242,7 +245,10 @@ class LocalAdamReference(ScapeReference):
             score = slab_posterior_mean(now, noise)
           current.append([score if i == j else None
                           for i in range(len(self.w))])
-          pending.append((self.e[n][j] + now).astype(np.float32))
+          kept = self.e[n][j]
+          if self.leak is not None:
+            kept = np.float32(self.leak) * kept
+          pending.append((kept + now).astype(np.float32))
         if self.informed == 'mask':
           mean = np.mean([c[j] for c in current], axis=0, dtype=np.float32)
           current = [[mean if i == j else None for i in range(len(self.w))]

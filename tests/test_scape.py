@@ -172,7 +172,9 @@ def test_matches_numpy_simulation_of_algorithm_1(density, variant):
                                              (0.1, 'local_adam_tempered'),
                                              (0.01, 'local_adam_tempered'),
                                              (0.1, 'local_adam_slab'),
-                                             (0.01, 'local_adam_slab')])
+                                             (0.01, 'local_adam_slab'),
+                                             (0.1, 'local_adam_leaky'),
+                                             (0.01, 'local_adam_leaky')])
 def test_local_adam_matches_numpy(density, variant):
   """variants 'local_adam(s)' against `reference.LocalAdamReference`:
   params, residuals (pending updates), per-worker moments and masks, 8
@@ -196,7 +198,8 @@ def check_local_adam(density, variant, informed=None):
                        variant=variant)
   run = Runner(tx, params, n)
   smooth = ('local_adam_smoothv', 'local_adam_rotating', 'local_adam_debiased',
-            'local_adam_shrunk', 'local_adam_tempered', 'local_adam_slab')
+            'local_adam_shrunk', 'local_adam_tempered', 'local_adam_slab',
+            'local_adam_leaky')
   ref = LocalAdamReference([params[k] for k in names], compressed, n,
                            adams=variant == 'local_adams',
                            now=variant in ('local_adam_now',
@@ -207,8 +210,10 @@ def check_local_adam(density, variant, informed=None):
                            score={'local_adam_debiased': 'debiased',
                                   'local_adam_shrunk': 'shrunk',
                                   'local_adam_tempered': 'tempered',
+                                  'local_adam_leaky': 'shrunk',
                                   'local_adam_slab': 'slab'}.get(variant),
                            informed=informed, density=density, eps=eps,
+                           leak=0.98 if variant == 'local_adam_leaky' else None,
                            clip=clip,
                            lr_fn=lambda i: float(lr_fn(i)))
   pending = 0

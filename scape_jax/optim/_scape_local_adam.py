@@ -1,8 +1,8 @@
 """SCAPE variants 'local_adam', 'local_adams', 'local_adam_now',
 'local_adam_meanv', 'local_adam_smoothv', 'local_adam_rotating',
-'local_adam_debiased', 'local_adam_shrunk', 'local_adam_tempered' and
-'local_adam_slab': sparse updates with error feedback on the wire of
-Algorithm 1.
+'local_adam_debiased', 'local_adam_shrunk', 'local_adam_tempered',
+'local_adam_slab' and 'local_adam_leaky': sparse updates with error
+feedback on the wire of Algorithm 1.
 
 Each worker runs Adam ('local_adam': v the moving average of g**2) or AdamS
 ('local_adams': v = b2 m_{t-1}**2 + (1 - b2) g**2, no state of its own) on
@@ -23,6 +23,8 @@ chunk (n + t) % N's mask at step t); 'local_adam_debiased',
 update from u and its noise: u**2 less that noise (`debiased_score`), or
 the posterior mean under a normal prior (`shrunk_score`; with half the
 noise, `tempered_score`) or a spike-and-slab one (`slab_score`).
+'local_adam_leaky' is 'local_adam_shrunk' whose pending update decays by
+`LEAK` per step.
 Leaves that are never compressed (norms, biases) take
 Algorithm 1's dense path (m~ exchanged in full, AdamS's direction). The
 masks, the payload and the collectives are Algorithm 1's, byte for byte.
@@ -34,8 +36,8 @@ mask chosen one step before it is used. docs/design.md ("SCAPE variants
 'local_adam', 'local_adams', 'local_adam_now'" and "SCAPE variants
 'local_adam_meanv', 'local_adam_smoothv'", "SCAPE variants
 'local_adam_rotating', 'local_adam_debiased', 'local_adam_shrunk'",
-"SCAPE variant 'local_adam_slab'", "SCAPE variant 'local_adam_tempered'")
-says where they depart from the paper.
+"SCAPE variant 'local_adam_slab'", "SCAPE variants 'local_adam_tempered',
+'local_adam_leaky'") says where they depart from the paper.
 """
 
 import functools
@@ -53,7 +55,11 @@ from scape_jax.optim import _scape
 # The variants whose mask ranks by an estimate of the workers' mean update
 # from u and its noise, not by u (`_SCORES` has each one's score).
 _SCORED = ('local_adam_debiased', 'local_adam_shrunk', 'local_adam_tempered',
-           'local_adam_slab')
+           'local_adam_slab', 'local_adam_leaky')
+# The variants whose pending update decays by `LEAK` per step.
+_LEAKY = ('local_adam_leaky',)
+# What the pending update of a `_LEAKY` variant keeps of itself per step.
+LEAK = 0.98
 # The variants whose chunks change owner every step.
 _ROTATING = ('local_adam_rotating',) + _SCORED
 # The variants with a third moment, w, and `smooth_v_direction`.
@@ -137,9 +143,9 @@ def _local_updates(grad_leaves, state, count, plan, hyper) -> tuple:
   """(payload per leaf, the new local moments, the current update u or,
   for a `_SCORES` variant, the score its mask ranks by).
 
-  A compressed leaf sends its pending update e + u, where u is the worker's
-  own direction (`_local_step`); a dense leaf sends Algorithm 1's
-  m~ = b1 m + (1 - b1) g in full (u: None).
+  A compressed leaf sends its pending update e + u (`LEAK` e + u for a
+  `_LEAKY` variant), where u is the worker's own direction (`_local_step`);
+  a dense leaf sends Algorithm 1's m~ = b1 m + (1 - b1) g in full (u: None).
   """
   b1 = hyper.b1
   flat = plan.treedef.flatten_up_to
@@ -155,7 +161,10 @@ def _local_updates(grad_leaves, state, count, plan, hyper) -> tuple:
       continue
     new, u, score = _local_step(g, [x[j][0] for x in previous], count,
                                 plan.num_workers, hyper)
-    sent.append(pending[j][0] + u)
+    kept = pending[j][0]
+    if hyper.variant in _LEAKY:
+      kept = LEAK * kept
+    sent.append(kept + u)
     for tree, x in zip(moments, new):
       tree.append(x)
     current.append(score)
@@ -386,4 +395,5 @@ def _apply(mean, sent, global_masks, mu, count, plan, hyper) -> tuple:
 _SCORES = {'local_adam_debiased': debiased_score,
            'local_adam_shrunk': shrunk_score,
            'local_adam_tempered': tempered_score,
-           'local_adam_slab': slab_score}
+           'local_adam_slab': slab_score,
+           'local_adam_leaky': shrunk_score}

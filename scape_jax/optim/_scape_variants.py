@@ -52,11 +52,13 @@ import jax.numpy as jnp
 # 'local_adam_slab': 'local_adam_shrunk' whose prior has a spike at zero
 #   (a spike-and-slab prior fitted per leaf by EM), so a large |u| is
 #   shrunk less than a small one.
+# 'local_adam_leaky': 'local_adam_shrunk' whose pending update decays by
+#   0.98 per step outside M: old updates are partly forgotten, not sent.
 LOCAL_OPTIMIZERS = ('local_adam', 'local_adams', 'local_adam_now',
                     'local_adam_meanv', 'local_adam_smoothv',
                     'local_adam_rotating', 'local_adam_debiased',
                     'local_adam_shrunk', 'local_adam_tempered',
-                    'local_adam_slab')
+                    'local_adam_slab', 'local_adam_leaky')
 VARIANTS = ('faithful', 'fresh', 'carry', 'carry_v', 'carry_vi', 'stale',
             'local', 'local_stale') + LOCAL_OPTIMIZERS
 
