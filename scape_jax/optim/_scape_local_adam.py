@@ -295,8 +295,8 @@ def tempered_score(u, noise):
   tau2' = mean(u**2) - mean(noise) / 2.
 
   A milder discount of noisy coordinates than the posterior mean's. The
-  constant was chosen by measurement (docs/design.md, "SCAPE variant
-  'local_adam_tempered'"), not derived. With one worker it ranks as |u|
+  constant was chosen by measurement (docs/design.md, "SCAPE variants
+  'local_adam_tempered', 'local_adam_leaky'"), not derived. With one worker it ranks as |u|
   does.
   """
   return shrunk_score(u, TEMPER * noise)
