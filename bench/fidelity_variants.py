@@ -89,6 +89,46 @@ def targets_text(grid: dict) -> list:
   return lines
 
 
+# Seed-by-seed comparisons at the base point: (method, against, seeds or
+# None for every seed both have). 'local_adam_tempered''s constant was
+# chosen on seeds 1 and 4, so it is also compared on the other eight.
+PAIRS = (
+    ('local_adam_slab d=0.1', 'local_adam_debiased d=0.1', None),
+    ('local_adam_slab d=0.01', 'local_adam_shrunk d=0.01', None),
+    ('local_adam_tempered d=0.01', 'local_adam_shrunk d=0.01', None),
+    ('local_adam_tempered d=0.01', 'local_adam_shrunk d=0.01',
+     (0, 2, 3, 5, 6, 7, 8, 9)),
+    ('local_adam_leaky d=0.01', 'local_adam_shrunk d=0.01', None),
+)
+
+
+def paired_text(point_runs: dict) -> list:
+  """Per `PAIRS` row with runs: the method's gap minus the other's, in
+  points, mean +- standard error over their common seeds, and on how many
+  seeds it is ahead (lower); then each method's eval-loss standard
+  deviation over its seeds."""
+  lines = []
+  for method, other, only in PAIRS:
+    a, b = seed_gaps(point_runs, method), seed_gaps(point_runs, other)
+    seeds = [s for s in a if s in b and (only is None or s in only)]
+    if len(seeds) < 2:
+      continue
+    diffs = [100 * (a[s] - b[s]) for s in seeds]
+    mean, error = mean_and_error(diffs)
+    which = '' if only is None else ' (seeds ' + ', '.join(
+        map(str, seeds)) + ')'
+    lines.append(f'- {method} minus {other}{which}: {mean:+.2f} +- '
+                 f'{error:.2f} points over {len(seeds)} seeds, ahead on '
+                 f'{sum(d < 0 for d in diffs)}.')
+  spreads = [
+      f'{m} {statistics.stdev(r["eval_loss"] for r in runs.values()):.3f}'
+      for m, runs in point_runs.items() if len(runs) >= 10]
+  if spreads:
+    lines.append('- Eval-loss standard deviation over the seeds (methods '
+                 'with ten or more): ' + ', '.join(spreads) + '.')
+  return lines
+
+
 def targets_section(grid: dict, out: str) -> list:
   """The "fidelity-targets" section of docs/results.md (`python
   bench/fidelity.py targets`): `targets_text` over whatever grid runs are in
@@ -101,6 +141,10 @@ def targets_section(grid: dict, out: str) -> list:
            'over the seeds, then per seed. Methods with no run are left '
            'out.', '']
   lines += targets_text(grid)
+  paired = paired_text(grid.get(('base', ''), {}))
+  if paired:
+    lines += ['', 'Seed by seed at b2 = 0.95 (gap minus gap, same seed):',
+              ''] + paired
   lines += ['', 'Eval loss of each run used above:', '',
             '| b2 | method | ' + ' | '.join(
                 f's{s}' for s in fidelity.ALL_SEEDS) + ' |',

@@ -326,3 +326,27 @@ def test_noise_scale_of_the_temper_study_is_shrunk_at_1_and_tempered_at_half(
     np.testing.assert_array_equal(scores['local_adam_shrunk'](u, noise),
                                   score)
   assert not np.array_equal(expected[0.5], expected[1.0])
+
+
+def test_paired_text_subtracts_gaps_seed_by_seed(monkeypatch):
+  """`fidelity_variants.paired_text`: the mean and standard error of the
+  per-seed difference of gaps against NumPy, over the common seeds only."""
+  import fidelity_variants  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(fidelity_variants, 'PAIRS',
+                      (('v d=0.01', 'w d=0.01', None),
+                       ('v d=0.01', 'w d=0.01', (0, 2))))
+  adams = {s: {'eval_loss': 2.0} for s in range(4)}
+  v, w = [0.05, 0.02, 0.07, 0.04], [0.03, 0.04, 0.06]  # w has no seed 3
+  runs = {'AdamS': adams,
+          'v d=0.01': {s: {'eval_loss': 2.0 * (1 + g)} for s, g in
+                       enumerate(v)},
+          'w d=0.01': {s: {'eval_loss': 2.0 * (1 + g)} for s, g in
+                       enumerate(w)}}
+  lines = fidelity_variants.paired_text(runs)
+  diffs = 100 * (np.array(v[:3]) - np.array(w))
+  error = np.std(diffs, ddof=1) / np.sqrt(3)
+  assert lines[0] == (f'- v d=0.01 minus w d=0.01: {diffs.mean():+.2f} +- '
+                      f'{error:.2f} points over 3 seeds, ahead on 1.')
+  assert lines[1].startswith('- v d=0.01 minus w d=0.01 (seeds 0, 2): '
+                             f'{diffs[[0, 2]].mean():+.2f}')
+  assert len(lines) == 2  # no method has ten seeds
