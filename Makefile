@@ -18,8 +18,12 @@ install-hf:
 install-eval: install-hf
 	$(PY) -m pip install -q -r requirements-eval.txt
 
+# Two pytest workers (pytest-xdist), each test file on one worker (module
+# fixtures and the network-namespace tests stay together); TEST_WORKERS=0
+# runs the suite in this process.
+TEST_WORKERS ?= 2
 test:
-	$(CPU8) $(PY) -m pytest -q tests
+	$(CPU8) $(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
 
 # Logit parity with transformers, export and import (needs make install-hf;
 # `make test` skips these without it).
