@@ -353,7 +353,8 @@ def main(argv=None):
   p.add_argument('--selects', nargs='+', default=['auto'],
                  choices=topk.SELECTS,
                  help="SCAPE's select values to time (default: auto; 'sort' "
-                 "is lax.top_k, slow at N=1; 'pallas' interprets on CPU)")
+                 "is lax.top_k, slow at N=1; 'pallas' interprets on CPU; "
+                 "'radix' is the loop-free search)")
   p.add_argument('--donate', action='store_true',
                  help='also time every update with its state donated, as '
                  "the trainer's step runs it (rows '... (state donated)')")

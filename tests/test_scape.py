@@ -515,9 +515,11 @@ def test_every_select_gives_the_same_masks_and_updates():
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   single = [_run_single(scape_jax.scape(
       1e-2, density=schedule, axis_name=None, mask_encoding=encoding,
-      select=select), params, grads) for select in ('sort', 'pallas')]
-  for x, y in zip(jax.tree.leaves(single[0]), jax.tree.leaves(single[1])):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+      select=select), params, grads) for select in ('sort', 'pallas',
+                                                      'radix')]
+  for other in single[1:]:
+    for x, y in zip(jax.tree.leaves(single[0]), jax.tree.leaves(other)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_pallas_select_lowers_the_update_for_cuda():

@@ -60,15 +60,16 @@ def _cases(c):
   return sorted(out)
 
 
+@pytest.mark.parametrize('select', ['threshold', 'radix'])
 @pytest.mark.parametrize('kind', ['normal', 'equal', 'quantised', 'zeros',
                                   'denormal'])
 @pytest.mark.parametrize('c', [1, 37, 1000, 20_011, 70_000])
-def test_threshold_equals_sort_and_numpy(kind, c):
+def test_sort_free_selects_equal_sort_and_numpy(select, kind, c):
   rng = np.random.default_rng(c)
   x = _data(kind, c, rng)
   for num_valid, k in _cases(c):
     args = (jnp.asarray(x), jnp.int32(num_valid), jnp.int32(k))
-    got = np.asarray(_selector('threshold')(*args))
+    got = np.asarray(_selector(select)(*args))
     np.testing.assert_array_equal(got, _numpy_words(x, num_valid, k),
                                   err_msg=f'{kind} c={c} n={num_valid} k={k}')
     np.testing.assert_array_equal(got, np.asarray(_selector('sort')(*args)))
@@ -86,7 +87,7 @@ def test_sort_path_equals_the_mask_reference_and_its_top_k_width():
                                  jnp.int32(k))
     expected = np.asarray(masks.pack_bits(bits))
     np.testing.assert_array_equal(expected, _numpy_words(x, 450, k))
-    for select in ('sort', 'threshold'):
+    for select in ('sort', 'threshold', 'radix'):
       got = _selector(select, width)(jnp.asarray(x), jnp.int32(450),
                                      jnp.int32(k))
       np.testing.assert_array_equal(np.asarray(got), expected)
@@ -117,7 +118,7 @@ def test_nan_and_inf_rank_above_every_finite_value():
     expected = np.zeros(32, bool)
     expected[order[:k]] = True
     expected = np.packbits(expected, bitorder='little').view('<u4')
-    for select in ('sort', 'threshold', 'pallas'):
+    for select in ('sort', 'threshold', 'pallas', 'radix'):
       got = _selector(select)(jnp.asarray(x), jnp.int32(8), jnp.int32(k))
       np.testing.assert_array_equal(np.asarray(got), expected,
                                     err_msg=f'{select} k={k}')
@@ -137,9 +138,11 @@ def test_nan_and_inf_in_large_chunks():
   x[rng.choice(30_000, 300, replace=False)] = np.nan
   x[rng.choice(30_000, 300, replace=False)] = -np.inf
   for k in (1, 299, 300, 650, 3000):
-    got = _selector('threshold')(jnp.asarray(x), jnp.int32(30_000),
-                                 jnp.int32(k))
-    np.testing.assert_array_equal(np.asarray(got), _numpy_words(x, 30_000, k))
+    for select in ('threshold', 'radix'):
+      got = _selector(select)(jnp.asarray(x), jnp.int32(30_000),
+                              jnp.int32(k))
+      np.testing.assert_array_equal(np.asarray(got),
+                                    _numpy_words(x, 30_000, k), err_msg=select)
 
 
 @pytest.mark.parametrize('kind', ['normal', 'quantised', 'zeros'])
@@ -187,6 +190,39 @@ def test_auto_lowers_the_sort_for_gpus_and_the_search_for_cpu():
   for gpu in ('cuda', 'rocm'):
     assert 'stablehlo.while' not in text[gpu]
     assert 'chlo.top_k' in text[gpu]  # lax.top_k
+
+
+def test_radix_lowers_without_loops_or_branches_and_pins_any_key():
+  # Straight-line on every platform: no `while` whose condition XLA's GPU
+  # runtime would read on the host, no conditional.
+  x = jnp.ones((1 << 14,))
+  traced = jax.jit(lambda x, k: topk.chunk_topk_words(
+      x, x.size, 4096, k, select='radix')).trace(x, jnp.int32(100))
+  for platform in ('cpu', 'cuda', 'tpu'):
+    text = traced.lower(lowering_platforms=(platform,)).as_text()
+    for op in ('stablehlo.while', 'stablehlo.case', 'stablehlo.if',
+               'stablehlo.sort', 'chlo.top_k'):
+      assert op not in text, (platform, op)
+  # RADIX_PASSES narrow [PAD_KEY, NAN_KEY + 1) to one key, one pass fewer
+  # would not.
+  span = topk.NAN_KEY + 1 - topk.PAD_KEY
+  assert span <= topk.RADIX ** topk.RADIX_PASSES
+  assert span > topk.RADIX ** (topk.RADIX_PASSES - 1)
+
+
+def test_radix_on_keys_spread_over_every_binade():
+  # Magnitudes from denormals to 2**127, +-inf and NaN: the passes must
+  # pin T wherever in the key range it lies.
+  rng = np.random.default_rng(5)
+  c = 10_000
+  x = np.ldexp(rng.random(c) + 0.5, rng.integers(-149, 128, c))
+  x = (x * rng.choice([-1.0, 1.0], c)).astype(np.float32)
+  x[rng.choice(c, 20, replace=False)] = np.inf
+  x[rng.choice(c, 20, replace=False)] = np.nan
+  for k in (1, 20, 41, 500, 5000, 9999, c):
+    got = _selector('radix')(jnp.asarray(x), jnp.int32(c), jnp.int32(k))
+    np.testing.assert_array_equal(np.asarray(got), _numpy_words(x, c, k),
+                                  err_msg=f'k={k}')
 
 
 def test_rejects_bad_select_and_width():
@@ -266,7 +302,8 @@ def test_every_select_types_its_words_like_its_inputs_in_shard_map(varying):
   # and the branches must have one type (a chunk above
   # AUTO_SORT_MAX_WIDTH['cpu'] once failed there: the full-width sort's
   # scatter into fresh zeros was typed as not varying).
-  c, selects, widths = 2048, ('sort', 'threshold', 'auto'), (2048, 200)
+  c, selects, widths = 2048, ('sort', 'threshold', 'radix', 'auto'), (
+      2048, 200)
   data = np.random.default_rng(0).normal(size=8 * c).astype(np.float32)
 
   def per_worker(xs):

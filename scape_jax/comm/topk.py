@@ -31,6 +31,14 @@ Selections (`SELECTS`):
     on smooth data (`tests/test_topk.py` bounds them).
   * 'pallas': the same search with the counting and mask passes as Pallas
     kernels (`scape_jax.kernels.topk_mask`); Triton on GPU, Mosaic on TPU.
+  * 'radix': pure jnp, with no loop and no branch: `RADIX_PASSES` counting
+    passes, each of which splits the bracket's key range into `RADIX`
+    equal parts and keeps the part that holds T (8 passes of 15 thresholds
+    pin any key), then the tie cut and the mask pass. Made for backends
+    where a data-dependent loop costs a round trip to the host at every
+    iteration (XLA's GPU runtime reads a `while` condition on the host);
+    its passes do more compares than the search's, so on CPU it is the
+    slower one (`bench/select_crossover.py`).
   * 'auto': `AUTO_SELECT[platform]`, resolved when the program is lowered
     (`jax.lax.platform_dependent`), so a program lowered for another
     platform gets that platform's choice. Except: where the top-k width is
@@ -50,7 +58,7 @@ from scape_jax.kernels import topk_mask
 from scape_jax.kernels._common import same_varying
 from scape_jax.kernels.topk_mask import NAN_KEY, PAD_KEY, ROW, magnitude_key
 
-SELECTS = ('auto', 'sort', 'threshold', 'pallas')
+SELECTS = ('auto', 'sort', 'threshold', 'pallas', 'radix')
 # The default per lowering platform ('auto'), by measurement where there is
 # one (docs/benchmarks.md, section 2): on an H100 the sort is 2.6x faster
 # than the search, whose while loops wait on the host at every pass; rocm
@@ -128,6 +136,8 @@ def auto_select(platform: str, width: int) -> str:
 def _bound(select: str, width: int) -> Callable:
   if select == 'sort':
     return lambda x, n, k: sort_topk_words(x, n, width, k)
+  if select == 'radix':
+    return radix_topk_words
   return lambda x, n, k: threshold_topk_words(
       x, n, k, use_pallas=select == 'pallas')
 
@@ -185,7 +195,7 @@ class _Passes(NamedTuple):
   stored: a pass then reads the chunk once and writes nothing of its size.
   """
   rows: int
-  sample: jax.Array  # int32[S], sampled keys, descending
+  sample: Callable  # () -> int32[S], sampled keys, descending
   count: Callable
   row_keys: Callable
   emit: Callable
@@ -212,8 +222,14 @@ def _passes(scores, num_valid, use_pallas: bool) -> _Passes:
     count = lambda lo, hi: _jnp_count(x, num_valid, lo, hi)
     emit = lambda lo, hi, cut: _jnp_emit(x, num_valid, lo, hi, cut)[
         :-(-c // 32)]
-  return _Passes(x.shape[0], _sample(scores, num_valid), count, row_keys,
-                 emit)
+  return _Passes(x.shape[0], lambda: _sample(scores, num_valid), count,
+                 row_keys, emit)
+
+
+def _jnp_count_many(x, num_valid, thresholds):
+  """The keys >= each of `thresholds` (int32[P]) in the rows x: int32[P]."""
+  keys = _row_major_keys(x, num_valid)
+  return jnp.sum(keys[:, :, None] >= thresholds, axis=(0, 1), dtype=jnp.int32)
 
 
 def _row_major_keys(x, num_valid):
@@ -370,14 +386,15 @@ def _search(passes: _Passes, c: int, k) -> _Bracket:
       a ternary split of the key range, so that no input takes more than
       about 60 passes.
   """
+  sample = passes.sample()
   # full_like: the loop state takes the shard_map type of the data and k.
-  like, _ = same_varying(passes.sample[0], k)
+  like, _ = same_varying(sample[0], k)
   start = _Bracket(*(jnp.full_like(like, v) for v in (
       PAD_KEY, NAN_KEY + 1, passes.rows * ROW, 0)))
 
   def step(carry):
     b, stalls, widen = carry
-    sample_low, sample_high, sampled = _sample_probes(passes.sample, c, b, k)
+    sample_low, sample_high, sampled = _sample_probes(sample, c, b, k)
     spread = widen * (2.0 * jnp.sqrt((b.c_lo - b.c_hi).astype(jnp.float32))
                       + 1.0)
     line_low, line_high = _line_probes(b, k, spread)
@@ -408,6 +425,53 @@ def _finish(passes: _Passes, b: _Bracket, k):
       lambda: _candidates(passes, b, k),  # few keys left: sort them
       lambda: (b.lo, b.hi, _tie_cut(passes, b, k)),  # hi = lo + 1 = T + 1
   ])
+
+
+# ----------------------------------------------------------------------------
+# 'radix': the same bracket, narrowed by a fixed number of passes.
+
+RADIX = 16  # parts a 'radix' pass splits the bracket's key range into
+
+
+def _passes_to_pin(span: int, parts: int) -> int:
+  """Passes that narrow a key range of `span` to one key, `parts` ways."""
+  passes = 0
+  while span > 1:
+    span, passes = -(-span // parts), passes + 1
+  return passes
+
+
+# Any chunk's T is pinned after this many passes: the bracket starts as
+# [PAD_KEY, NAN_KEY + 1).
+RADIX_PASSES = _passes_to_pin(NAN_KEY + 1 - PAD_KEY, RADIX)
+
+
+def radix_topk_words(scores, num_valid, k) -> jax.Array:
+  """The 'radix' selection: `RADIX_PASSES` counting passes, the tie cut
+  and the mask pass, straight-line (no `while`, no conditional)."""
+  passes = _passes(scores, num_valid, use_pallas=False)
+  x = topk_mask.as_rows(scores, 1)
+  count_many = lambda thresholds: _jnp_count_many(x, num_valid, thresholds)
+  k = jnp.asarray(k, jnp.int32)
+  b = _Bracket(jnp.int32(PAD_KEY), jnp.int32(NAN_KEY + 1),
+               jnp.int32(passes.rows * ROW), jnp.int32(0))
+  for _ in range(RADIX_PASSES):
+    b = _radix_narrow(b, k, count_many)
+  return passes.emit(b.lo, b.hi, _tie_cut(passes, b, k))
+
+
+def _radix_narrow(b: _Bracket, k, count_many) -> _Bracket:
+  """One pass: counts at RADIX - 1 evenly spaced keys inside (lo, hi); the
+  new bracket is the part between two neighbours that holds T, at most
+  ceil((hi - lo) / RADIX) keys wide. A bracket of one key stays as it is."""
+  step = -(-(b.hi - b.lo) // RADIX)  # >= 1; no int32 overflow
+  probes = jnp.minimum(b.lo + step * jnp.arange(1, RADIX, dtype=jnp.int32),
+                       jnp.maximum(b.hi - 1, b.lo))
+  counts = count_many(probes)  # non-increasing along the probes
+  keys = jnp.concatenate([b.lo[None], probes, b.hi[None]])
+  at = jnp.concatenate([b.c_lo[None], counts, b.c_hi[None]])
+  last = jnp.sum(counts >= k)  # keys[last]: the highest with count >= k
+  return _Bracket(keys[last], keys[last + 1], at[last], at[last + 1])
 
 
 def _tie_cut(passes: _Passes, b: _Bracket, k) -> jax.Array:
