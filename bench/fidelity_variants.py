@@ -221,6 +221,10 @@ VARIANT_NOTES = {  # what each variant changes (docs/design.md has more)
     'local_adam_leaky': 'is `local_adam_shrunk` whose pending update decays '
                         'by 0.98 per step (each worker sends 0.98 e + u and '
                         'keeps it outside M)',
+    'local_adam_gain': 'is `local_adam_shrunk` whose mask ranks by the '
+                       'posterior mean of the mean update times the pending '
+                       'update (max(u tau2 / (tau2 + noise) (e + u), 0)), the '
+                       'first-order gain of applying it now',
 }
 
 

@@ -166,9 +166,9 @@ class LocalAdamReference(ScapeReference):
   'local_adam_smoothv', with `now`, `smooth_v` and `rotate`,
   'local_adam_rotating', and with `score='debiased'`, `'shrunk'`,
   `'tempered'` or `'slab'` too, 'local_adam_debiased', 'local_adam_shrunk',
-  'local_adam_tempered' or 'local_adam_slab', and with `score='shrunk'` and
-  `leak` (the pending update kept per step) 'local_adam_leaky'
-  (docs/design.md):
+  'local_adam_tempered' or 'local_adam_slab', with `score='shrunk'` and
+  `leak` (the pending update kept per step) 'local_adam_leaky', and with
+  `score='gain'` 'local_adam_gain' (docs/design.md):
   each worker clips its own gradient and runs Adam (AdamS:
   v = b2 m_{t-1}**2 + (1 - b2) g**2) on it per compressed leaf; its residual holds the updates not applied yet;
   the step at M is the mean of the workers' pending updates there, the next
@@ -243,12 +243,17 @@ class LocalAdamReference(ScapeReference):
             score = np.abs(now) / (np.float32(tau2) + noise)
           if self.score == 'slab':  # ... under a spike-and-slab prior
             score = slab_posterior_mean(now, noise)
-          current.append([score if i == j else None
-                          for i in range(len(self.w))])
           kept = self.e[n][j]
           if self.leak is not None:
             kept = np.float32(self.leak) * kept
           pending.append((kept + now).astype(np.float32))
+          if self.score == 'gain':  # posterior mean times the pending update
+            tau2 = max(float(np.mean(now.astype(np.float64)**2) -
+                             np.mean(noise.astype(np.float64))), 1e-12)
+            posterior = now * (np.float32(tau2) / (np.float32(tau2) + noise))
+            score = np.maximum(posterior * pending[-1], 0).astype(np.float32)
+          current.append([score if i == j else None
+                          for i in range(len(self.w))])
         if self.informed == 'mask':
           mean = np.mean([c[j] for c in current], axis=0, dtype=np.float32)
           current = [[mean if i == j else None for i in range(len(self.w))]

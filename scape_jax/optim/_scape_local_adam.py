@@ -1,8 +1,8 @@
 """SCAPE variants 'local_adam', 'local_adams', 'local_adam_now',
 'local_adam_meanv', 'local_adam_smoothv', 'local_adam_rotating',
 'local_adam_debiased', 'local_adam_shrunk', 'local_adam_tempered',
-'local_adam_slab' and 'local_adam_leaky': sparse updates with error
-feedback on the wire of Algorithm 1.
+'local_adam_slab', 'local_adam_leaky' and 'local_adam_gain': sparse updates
+with error feedback on the wire of Algorithm 1.
 
 Each worker runs Adam ('local_adam': v the moving average of g**2) or AdamS
 ('local_adams': v = b2 m_{t-1}**2 + (1 - b2) g**2, no state of its own) on
@@ -24,7 +24,8 @@ update from u and its noise: u**2 less that noise (`debiased_score`), or
 the posterior mean under a normal prior (`shrunk_score`; with half the
 noise, `tempered_score`) or a spike-and-slab one (`slab_score`).
 'local_adam_leaky' is 'local_adam_shrunk' whose pending update decays by
-`LEAK` per step.
+`LEAK` per step. 'local_adam_gain' ranks by the shrunk mean update times
+the pending update (`gain_score`).
 Leaves that are never compressed (norms, biases) take
 Algorithm 1's dense path (m~ exchanged in full, AdamS's direction). The
 masks, the payload and the collectives are Algorithm 1's, byte for byte.
@@ -55,7 +56,9 @@ from scape_jax.optim import _scape
 # The variants whose mask ranks by an estimate of the workers' mean update
 # from u and its noise, not by u (`_SCORES` has each one's score).
 _SCORED = ('local_adam_debiased', 'local_adam_shrunk', 'local_adam_tempered',
-           'local_adam_slab', 'local_adam_leaky')
+           'local_adam_slab', 'local_adam_leaky', 'local_adam_gain')
+# The variants whose score is a function of the pending update too.
+_PENDING_SCORED = ('local_adam_gain',)
 # The variants whose pending update decays by `LEAK` per step.
 _LEAKY = ('local_adam_leaky',)
 # What the pending update of a `_LEAKY` variant keeps of itself per step.
@@ -165,6 +168,8 @@ def _local_updates(grad_leaves, state, count, plan, hyper) -> tuple:
     if hyper.variant in _LEAKY:
       kept = LEAK * kept
     sent.append(kept + u)
+    if hyper.variant in _PENDING_SCORED:
+      score = score(kept + u)
     for tree, x in zip(moments, new):
       tree.append(x)
     current.append(score)
@@ -174,7 +179,9 @@ def _local_updates(grad_leaves, state, count, plan, hyper) -> tuple:
 def _local_step(g, previous: list, count, num_workers: int, hyper) -> tuple:
   """(new moments, u, score): one worker's moments of one leaf from its
   gradient `g`, its direction u and what its mask ranks (u, or a `_SCORES`
-  function of u), per variant (`init_local_state` has the moments).
+  function of u; for a `_PENDING_SCORED` variant, that function still to be
+  called on the pending update), per variant (`init_local_state` has the
+  moments).
   """
   b1, b2, eps = hyper.b1, hyper.b2, hyper.eps
   m = b1 * previous[0] + (1.0 - b1) * g
@@ -196,6 +203,8 @@ def _local_step(g, previous: list, count, num_workers: int, hyper) -> tuple:
     if hyper.variant not in _SCORES:
       return (m, v, w), u, u
     noise = mean_update_noise(v / c2, w / c2, num_workers, b1=b1, eps=eps)
+    if hyper.variant in _PENDING_SCORED:  # the caller has the pending update
+      return (m, v, w), u, functools.partial(_SCORES[hyper.variant], u, noise)
     return (m, v, w), u, _SCORES[hyper.variant](u, noise)
   u = _common.bias_corrected_direction(m, v, count, b1=b1, b2=b2, eps=eps)
   return (m, v), u, u
@@ -302,6 +311,24 @@ def tempered_score(u, noise):
   return shrunk_score(u, TEMPER * noise)
 
 
+def gain_score(u, noise, pending):
+  """What 'local_adam_gain' ranks a chunk by: max(p_post * `pending`, 0),
+  where p_post = u tau2 / (tau2 + `noise`) is `shrunk_score`'s posterior
+  mean of the workers' mean update.
+
+  To first order, in Adam's preconditioned metric, applying the pending
+  update e + u at a coordinate lowers the loss by the mean update there
+  times e + u: this score is that gain, with the mean update estimated by
+  its posterior mean. Unlike a score of u alone, a coordinate whose
+  update keeps its sign gains priority as its pending update grows with
+  the steps it waits; one whose pending update now points against its
+  update scores 0 (its ties fall to the lower offsets). With one worker
+  p_post = u.
+  """
+  tau2 = _leaf_prior_variance(u, noise)
+  return jnp.maximum(u * (tau2 / (tau2 + noise)) * pending, 0.0)
+
+
 def _leaf_prior_variance(u, noise):
   """tau2 = mean(u**2) - mean(`noise`) over the leaf, at least 1e-12: the
   variance of the workers' mean update, estimated by moments."""
@@ -396,4 +423,5 @@ _SCORES = {'local_adam_debiased': debiased_score,
            'local_adam_shrunk': shrunk_score,
            'local_adam_tempered': tempered_score,
            'local_adam_slab': slab_score,
-           'local_adam_leaky': shrunk_score}
+           'local_adam_leaky': shrunk_score,
+           'local_adam_gain': gain_score}

@@ -54,11 +54,15 @@ import jax.numpy as jnp
 #   shrunk less than a small one.
 # 'local_adam_leaky': 'local_adam_shrunk' whose pending update decays by
 #   0.98 per step outside M: old updates are partly forgotten, not sent.
+# 'local_adam_gain': 'local_adam_shrunk' whose mask ranks by the posterior
+#   mean of the mean update times the pending update, the first-order gain
+#   of applying it now, so a waiting coordinate gains priority.
 LOCAL_OPTIMIZERS = ('local_adam', 'local_adams', 'local_adam_now',
                     'local_adam_meanv', 'local_adam_smoothv',
                     'local_adam_rotating', 'local_adam_debiased',
                     'local_adam_shrunk', 'local_adam_tempered',
-                    'local_adam_slab', 'local_adam_leaky')
+                    'local_adam_slab', 'local_adam_leaky',
+                    'local_adam_gain')
 VARIANTS = ('faithful', 'fresh', 'carry', 'carry_v', 'carry_vi', 'stale',
             'local', 'local_stale') + LOCAL_OPTIMIZERS
 
