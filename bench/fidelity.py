@@ -42,7 +42,8 @@ VARIANTS = ('fresh', 'carry', 'carry_v', 'carry_vi', 'stale', 'local',
             'local_stale', 'local_adam', 'local_adams', 'local_adam_now',
             'local_adam_meanv', 'local_adam_smoothv', 'local_adam_rotating',
             'local_adam_debiased', 'local_adam_shrunk', 'local_adam_slab',
-            'local_adam_tempered', 'local_adam_leaky', 'local_adam_gain')
+            'local_adam_tempered', 'local_adam_leaky', 'local_adam_gain',
+            'local_adam_rowshrunk')
 SEEDS = (0, 1)
 
 

@@ -225,6 +225,9 @@ VARIANT_NOTES = {  # what each variant changes (docs/design.md has more)
                        'posterior mean of the mean update times the pending '
                        'update (max(u tau2 / (tau2 + noise) (e + u), 0)), the '
                        'first-order gain of applying it now',
+    'local_adam_rowshrunk': 'is `local_adam_shrunk` whose prior variance '
+                            'tau2 is estimated per row (over the last axis) '
+                            'instead of per leaf',
 }
 
 

@@ -168,7 +168,8 @@ class LocalAdamReference(ScapeReference):
   `'tempered'` or `'slab'` too, 'local_adam_debiased', 'local_adam_shrunk',
   'local_adam_tempered' or 'local_adam_slab', with `score='shrunk'` and
   `leak` (the pending update kept per step) 'local_adam_leaky', and with
-  `score='gain'` 'local_adam_gain' (docs/design.md):
+  `score='gain'` 'local_adam_gain', or `score='rowshrunk'`
+  'local_adam_rowshrunk' (docs/design.md):
   each worker clips its own gradient and runs Adam (AdamS:
   v = b2 m_{t-1}**2 + (1 - b2) g**2) on it per compressed leaf; its residual holds the updates not applied yet;
   the step at M is the mean of the workers' pending updates there, the next
@@ -241,6 +242,12 @@ class LocalAdamReference(ScapeReference):
             tau2 = max(float(np.mean(now.astype(np.float64)**2) -
                              np.mean(noise.astype(np.float64))), 1e-12)
             score = np.abs(now) / (np.float32(tau2) + noise)
+          if self.score == 'rowshrunk':  # ... with a prior per row
+            tau2 = np.maximum(
+                np.mean(now.astype(np.float64)**2, axis=-1, keepdims=True) -
+                np.mean(noise.astype(np.float64), axis=-1, keepdims=True),
+                1e-12)
+            score = np.abs(now) / (tau2.astype(np.float32) + noise)
           if self.score == 'slab':  # ... under a spike-and-slab prior
             score = slab_posterior_mean(now, noise)
           kept = self.e[n][j]

@@ -176,7 +176,9 @@ def test_matches_numpy_simulation_of_algorithm_1(density, variant):
                                              (0.1, 'local_adam_leaky'),
                                              (0.01, 'local_adam_leaky'),
                                              (0.1, 'local_adam_gain'),
-                                             (0.01, 'local_adam_gain')])
+                                             (0.01, 'local_adam_gain'),
+                                             (0.1, 'local_adam_rowshrunk'),
+                                             (0.01, 'local_adam_rowshrunk')])
 def test_local_adam_matches_numpy(density, variant):
   """variants 'local_adam(s)' against `reference.LocalAdamReference`:
   params, residuals (pending updates), per-worker moments and masks, 8
@@ -201,7 +203,7 @@ def check_local_adam(density, variant, informed=None):
   run = Runner(tx, params, n)
   smooth = ('local_adam_smoothv', 'local_adam_rotating', 'local_adam_debiased',
             'local_adam_shrunk', 'local_adam_tempered', 'local_adam_slab',
-            'local_adam_leaky', 'local_adam_gain')
+            'local_adam_leaky', 'local_adam_gain', 'local_adam_rowshrunk')
   ref = LocalAdamReference([params[k] for k in names], compressed, n,
                            adams=variant == 'local_adams',
                            now=variant in ('local_adam_now',
@@ -214,6 +216,7 @@ def check_local_adam(density, variant, informed=None):
                                   'local_adam_tempered': 'tempered',
                                   'local_adam_leaky': 'shrunk',
                                   'local_adam_gain': 'gain',
+                                  'local_adam_rowshrunk': 'rowshrunk',
                                   'local_adam_slab': 'slab'}.get(variant),
                            informed=informed, density=density, eps=eps,
                            leak=0.98 if variant == 'local_adam_leaky' else None,

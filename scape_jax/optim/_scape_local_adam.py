@@ -1,8 +1,9 @@
 """SCAPE variants 'local_adam', 'local_adams', 'local_adam_now',
 'local_adam_meanv', 'local_adam_smoothv', 'local_adam_rotating',
 'local_adam_debiased', 'local_adam_shrunk', 'local_adam_tempered',
-'local_adam_slab', 'local_adam_leaky' and 'local_adam_gain': sparse updates
-with error feedback on the wire of Algorithm 1.
+'local_adam_slab', 'local_adam_leaky', 'local_adam_gain' and
+'local_adam_rowshrunk': sparse updates with error feedback on the wire of
+Algorithm 1.
 
 Each worker runs Adam ('local_adam': v the moving average of g**2) or AdamS
 ('local_adams': v = b2 m_{t-1}**2 + (1 - b2) g**2, no state of its own) on
@@ -25,7 +26,8 @@ the posterior mean under a normal prior (`shrunk_score`; with half the
 noise, `tempered_score`) or a spike-and-slab one (`slab_score`).
 'local_adam_leaky' is 'local_adam_shrunk' whose pending update decays by
 `LEAK` per step. 'local_adam_gain' ranks by the shrunk mean update times
-the pending update (`gain_score`).
+the pending update (`gain_score`); 'local_adam_rowshrunk' is
+'local_adam_shrunk' with a prior per row (`row_shrunk_score`).
 Leaves that are never compressed (norms, biases) take
 Algorithm 1's dense path (m~ exchanged in full, AdamS's direction). The
 masks, the payload and the collectives are Algorithm 1's, byte for byte.
@@ -38,7 +40,8 @@ mask chosen one step before it is used. docs/design.md ("SCAPE variants
 'local_adam_meanv', 'local_adam_smoothv'", "SCAPE variants
 'local_adam_rotating', 'local_adam_debiased', 'local_adam_shrunk'",
 "SCAPE variant 'local_adam_slab'", "SCAPE variants 'local_adam_tempered',
-'local_adam_leaky'") says where they depart from the paper.
+'local_adam_leaky'", "SCAPE variant 'local_adam_gain'", "SCAPE variant
+'local_adam_rowshrunk'") say where they depart from the paper.
 """
 
 import functools
@@ -56,7 +59,8 @@ from scape_jax.optim import _scape
 # The variants whose mask ranks by an estimate of the workers' mean update
 # from u and its noise, not by u (`_SCORES` has each one's score).
 _SCORED = ('local_adam_debiased', 'local_adam_shrunk', 'local_adam_tempered',
-           'local_adam_slab', 'local_adam_leaky', 'local_adam_gain')
+           'local_adam_slab', 'local_adam_leaky', 'local_adam_gain',
+           'local_adam_rowshrunk')
 # The variants whose score is a function of the pending update too.
 _PENDING_SCORED = ('local_adam_gain',)
 # The variants whose pending update decays by `LEAK` per step.
@@ -329,6 +333,22 @@ def gain_score(u, noise, pending):
   return jnp.maximum(u * (tau2 / (tau2 + noise)) * pending, 0.0)
 
 
+def row_shrunk_score(u, noise):
+  """What 'local_adam_rowshrunk' ranks a chunk by: `shrunk_score` with the
+  prior's variance estimated per row (over the last axis) instead of over
+  the leaf: |u| / (tau2_row + `noise`), where
+  tau2_row = mean(u**2) - mean(`noise`) over the row, at least 1e-12.
+
+  A row of a kernel (one input feature; one token of an embedding) has its
+  own scale of signal, so one prior per leaf shrinks the rows with much
+  signal as hard as the rows with little. With one worker it ranks as |u|
+  does.
+  """
+  tau2 = jnp.maximum(jnp.mean(u * u, axis=-1, keepdims=True) -
+                     jnp.mean(noise, axis=-1, keepdims=True), 1e-12)
+  return jnp.abs(u) / (tau2 + noise)
+
+
 def _leaf_prior_variance(u, noise):
   """tau2 = mean(u**2) - mean(`noise`) over the leaf, at least 1e-12: the
   variance of the workers' mean update, estimated by moments."""
@@ -424,4 +444,5 @@ _SCORES = {'local_adam_debiased': debiased_score,
            'local_adam_tempered': tempered_score,
            'local_adam_slab': slab_score,
            'local_adam_leaky': shrunk_score,
-           'local_adam_gain': gain_score}
+           'local_adam_gain': gain_score,
+           'local_adam_rowshrunk': row_shrunk_score}

@@ -57,12 +57,14 @@ import jax.numpy as jnp
 # 'local_adam_gain': 'local_adam_shrunk' whose mask ranks by the posterior
 #   mean of the mean update times the pending update, the first-order gain
 #   of applying it now, so a waiting coordinate gains priority.
+# 'local_adam_rowshrunk': 'local_adam_shrunk' whose prior's variance is
+#   estimated per row (last axis) instead of per leaf.
 LOCAL_OPTIMIZERS = ('local_adam', 'local_adams', 'local_adam_now',
                     'local_adam_meanv', 'local_adam_smoothv',
                     'local_adam_rotating', 'local_adam_debiased',
                     'local_adam_shrunk', 'local_adam_tempered',
                     'local_adam_slab', 'local_adam_leaky',
-                    'local_adam_gain')
+                    'local_adam_gain', 'local_adam_rowshrunk')
 VARIANTS = ('faithful', 'fresh', 'carry', 'carry_v', 'carry_vi', 'stale',
             'local', 'local_stale') + LOCAL_OPTIMIZERS
 
