@@ -40,7 +40,7 @@ mask chosen one step before it is used. docs/design.md ("SCAPE variants
 'local_adam_meanv', 'local_adam_smoothv'", "SCAPE variants
 'local_adam_rotating', 'local_adam_debiased', 'local_adam_shrunk'",
 "SCAPE variant 'local_adam_slab'", "SCAPE variants 'local_adam_tempered',
-'local_adam_leaky'", "SCAPE variant 'local_adam_gain'", "SCAPE variant
+'local_adam_leaky'", "SCAPE variants 'local_adam_gain',
 'local_adam_rowshrunk'") say where they depart from the paper.
 """
 
