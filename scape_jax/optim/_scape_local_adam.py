@@ -166,26 +166,24 @@ def _local_updates(grad_leaves, state, count, plan, hyper) -> tuple:
         tree.append(optax.MaskedNode())
       current.append(None)
       continue
-    new, u, score = _local_step(g, [x[j][0] for x in previous], count,
-                                plan.num_workers, hyper)
     kept = pending[j][0]
     if hyper.variant in _LEAKY:
       kept = LEAK * kept
+    new, u, score = _local_step(g, [x[j][0] for x in previous], kept, count,
+                                plan.num_workers, hyper)
     sent.append(kept + u)
-    if hyper.variant in _PENDING_SCORED:
-      score = score(kept + u)
     for tree, x in zip(moments, new):
       tree.append(x)
     current.append(score)
   return sent, moments, current
 
 
-def _local_step(g, previous: list, count, num_workers: int, hyper) -> tuple:
+def _local_step(g, previous: list, kept, count, num_workers: int,
+                hyper) -> tuple:
   """(new moments, u, score): one worker's moments of one leaf from its
   gradient `g`, its direction u and what its mask ranks (u, or a `_SCORES`
-  function of u; for a `_PENDING_SCORED` variant, that function still to be
-  called on the pending update), per variant (`init_local_state` has the
-  moments).
+  function of u, and for a `_PENDING_SCORED` variant of the pending update
+  `kept` + u too), per variant (`init_local_state` has the moments).
   """
   b1, b2, eps = hyper.b1, hyper.b2, hyper.eps
   m = b1 * previous[0] + (1.0 - b1) * g
@@ -207,8 +205,8 @@ def _local_step(g, previous: list, count, num_workers: int, hyper) -> tuple:
     if hyper.variant not in _SCORES:
       return (m, v, w), u, u
     noise = mean_update_noise(v / c2, w / c2, num_workers, b1=b1, eps=eps)
-    if hyper.variant in _PENDING_SCORED:  # the caller has the pending update
-      return (m, v, w), u, functools.partial(_SCORES[hyper.variant], u, noise)
+    if hyper.variant in _PENDING_SCORED:
+      return (m, v, w), u, _SCORES[hyper.variant](u, noise, kept + u)
     return (m, v, w), u, _SCORES[hyper.variant](u, noise)
   u = _common.bias_corrected_direction(m, v, count, b1=b1, b2=b2, eps=eps)
   return (m, v), u, u
@@ -344,15 +342,16 @@ def row_shrunk_score(u, noise):
   signal as hard as the rows with little. With one worker it ranks as |u|
   does.
   """
-  tau2 = jnp.maximum(jnp.mean(u * u, axis=-1, keepdims=True) -
-                     jnp.mean(noise, axis=-1, keepdims=True), 1e-12)
-  return jnp.abs(u) / (tau2 + noise)
+  return jnp.abs(u) / (_leaf_prior_variance(u, noise, axis=-1) + noise)
 
 
-def _leaf_prior_variance(u, noise):
-  """tau2 = mean(u**2) - mean(`noise`) over the leaf, at least 1e-12: the
-  variance of the workers' mean update, estimated by moments."""
-  return jnp.maximum(jnp.mean(u * u) - jnp.mean(noise), 1e-12)
+def _leaf_prior_variance(u, noise, axis=None):
+  """tau2 = mean(u**2) - mean(`noise`) over the leaf (or, with `axis`, over
+  that axis, kept for broadcasting), at least 1e-12: the variance of the
+  workers' mean update, estimated by moments."""
+  keep = axis is not None
+  return jnp.maximum(jnp.mean(u * u, axis=axis, keepdims=keep) -
+                     jnp.mean(noise, axis=axis, keepdims=keep), 1e-12)
 
 
 # EM iterations `slab_score` fits its prior with.
