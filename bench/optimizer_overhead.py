@@ -33,6 +33,14 @@ and for SCAPE that of the same update with select='sort' beside it.
   python bench/optimizer_overhead.py --trees llama-tiny --repeats 21
   python bench/optimizer_overhead.py --selects auto sort  # + 'sort' timed
   python bench/optimizer_overhead.py --quick         # smoke run, runs/ output
+  python bench/optimizer_overhead.py --radius        # + Radius's step kinds
+
+With `--radius`, Radius (`scape_jax.radius`, AdamW on the exchanged
+gradient) is timed at each density < 1 too: its sparse step and its
+resample step (the dense step, then the top-k of every compressed leaf:
+the new shared masks), the latter with its default `select` and with
+select='sort' (`lax.top_k` on the whole leaf, Radius's selection before it
+took `comm.topk`'s). Its masks are set by one resample before the timing.
 """
 
 import argparse
@@ -100,9 +108,10 @@ class Method(NamedTuple):
   select: Optional[str] = None
 
 
-def methods(densities, selects=('auto',)) -> dict:
+def methods(densities, selects=('auto',), radius=False) -> dict:
   """label -> Method: adamw, AdamS, and SCAPE at each density with each of
-  `selects` (density 1 selects nothing: 'auto' only)."""
+  `selects` (density 1 selects nothing: 'auto' only); with `radius`,
+  Radius's sparse and resample steps at each density < 1 (`radius_methods`)."""
   out = {
       'optax.adamw': Method(optax.adamw(LR, b1=B1, b2=B2, weight_decay=WD),
                             {}, {}),
@@ -116,6 +125,24 @@ def methods(densities, selects=('auto',)) -> dict:
       out[name] = Method(scape(d, select),
                          {'density_level': scape_jax.DensitySchedule(
                              d, 0).level(1)}, {'density_level': 0}, d, select)
+  if radius:
+    out.update(radius_methods([d for d in densities if d < 1]))
+  return out
+
+
+def radius_methods(densities) -> dict:
+  """label -> Method: Radius's sparse step, and its resample step with the
+  default select and with 'sort', at each density; the masks are set by a
+  first resample. No `density` (the SCAPE-only columns stay empty)."""
+  out = {}
+  for d in densities:
+    for kind, select in (('sparse', 'auto'), ('resample', 'auto'),
+                         ('resample', 'sort')):
+      label = f'radius d={d:g} {kind}' + ('' if select == 'auto' else
+                                          f' select={select}')
+      tx = scape_jax.radius(LR, density=d, b1=B1, b2=B2, weight_decay=WD,
+                            axis_name=None, select=select)
+      out[label] = Method(tx, {'step_kind': kind}, {'step_kind': 'resample'})
   return out
 
 
@@ -232,7 +259,7 @@ DONATED = ' (state donated)'
 
 
 def bench_tree(name: str, densities, repeats=None, number=None,
-               selects=('auto',), donate=False) -> list:
+               selects=('auto',), donate=False, radius=False) -> list:
   """Times every method on one tree; returns one row per method.
 
   Small trees (< 10M parameters) take 21 samples of 20 calls each, large ones
@@ -243,14 +270,15 @@ def bench_tree(name: str, densities, repeats=None, number=None,
   with select='sort' (lax.top_k, the selection before issue 9); rows with
   another select get the time of that select alone. `donate`: every method
   is also timed with its state donated (label + DONATED; ratios to adamw's
-  donated update), interleaved with the rest.
+  donated update), interleaved with the rest. `radius`: Radius's rows too
+  (`radius_methods`).
   """
   params, grads = param_tree(name)
   n_params = sum(x.size for x in jax.tree.leaves(params))
   small = n_params < 10_000_000
   repeats = repeats or (21 if small else 5)
   number = number or (20 if small else 1)
-  table = methods(densities, selects)
+  table = methods(densities, selects, radius)
   prepared = {label: prepare(m, params, grads) for label, m in table.items()}
   if donate:
     table.update({label + DONATED: m for label, m in list(table.items())})
@@ -358,6 +386,9 @@ def main(argv=None):
   p.add_argument('--donate', action='store_true',
                  help='also time every update with its state donated, as '
                  "the trainer's step runs it (rows '... (state donated)')")
+  p.add_argument('--radius', action='store_true',
+                 help="also time Radius's sparse and resample steps at each "
+                 "density < 1 (the resample with select='sort' too)")
   p.add_argument('--quick', action='store_true',
                  help='a smoke run: llama-tiny only, 3 samples of 2 calls')
   p.add_argument('--out', default=None,
@@ -374,7 +405,7 @@ def main(argv=None):
   rows = []
   for name in args.trees:
     rows += bench_tree(name, args.densities, args.repeats, args.number,
-                       args.selects, args.donate)
+                       args.selects, args.donate, args.radius)
   elapsed = time.perf_counter() - t0
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, 'optimizer_overhead.csv'), 'w',

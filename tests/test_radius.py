@@ -25,9 +25,12 @@ def _radius_state(state):
   return state[0]
 
 
-@pytest.mark.parametrize('index_radius', [0, 1])
-def test_matches_numpy_simulation_across_a_cycle(index_radius):
-  """dense -> resample -> sparse -> resample ..., every step checked."""
+@pytest.mark.parametrize('index_radius, select', [
+    (0, 'auto'), (1, 'auto'), (0, 'threshold'), (1, 'radix')])
+def test_matches_numpy_simulation_across_a_cycle(index_radius, select):
+  """dense -> resample -> sparse -> resample ..., every step checked; the
+  masks by `lax.top_k` ('auto' at these widths) and by the sort-free
+  selections of `comm.topk`."""
   params = random_params(SHAPES)
   n, interval, threshold, density, clip = 8, 3, 2, 0.2, 20.0
   steps = 3 * interval + 1
@@ -36,7 +39,7 @@ def test_matches_numpy_simulation_across_a_cycle(index_radius):
   lr_fn = optax.linear_schedule(1e-2, 1e-3, steps)
   tx = scape_jax.radius(lr_fn, density=density, interval=interval,
                         threshold=threshold, index_radius=index_radius,
-                        clip_norm=clip)
+                        clip_norm=clip, select=select)
   schedule = scape_jax.RadiusSchedule(interval, threshold)
   run = MeshRunner(tx, params, n, static_name='step_kind')
   ref = RadiusReference([params[k] for k in names],
@@ -187,6 +190,7 @@ def test_init_global_view_and_partition_specs():
     (dict(threshold=-1), r'threshold=-1 must be an integer >= 0'),
     (dict(index_radius=-1), r'index_radius=-1 must be an integer >= 0'),
     (dict(b2=1.0), r'b2=1.0 must be in \[0, 1\)'),
+    (dict(select='heap'), r"select='heap'; allowed: \('auto', 'sort'"),
 ])
 def test_rejects_bad_settings(kwargs, match):
   with pytest.raises(ValueError, match=match):

@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from scape_jax.comm import masks as mask_bits
+from scape_jax.comm import topk
 from scape_jax.comm.collectives import varying
 from scape_jax.optim import _common
 from scape_jax.optim._common import MaskOrFn, ScalarOrSchedule
@@ -160,6 +162,7 @@ def scale_by_radius(
     clip_norm: Optional[float] = _common.CLIP_NORM,
     axis_name: Optional[str] = 'data',
     compress: MaskOrFn = None,
+    select: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """Radius's exchange and corrected gradient from each worker's gradients.
 
@@ -184,6 +187,11 @@ def scale_by_radius(
     axis_name: the data-parallel mesh axis; `None` means a single worker.
     compress: tree of bools or a callable `params -> tree` selecting the
       leaves to sparsify. Default: leaves with ndim >= 2.
+    select: how a resample finds each leaf's top-k, one of
+      `comm.topk.SELECTS` ('sort' is `lax.top_k`, which sorts the whole
+      leaf for a large k; 'auto' is SCAPE's choice per backend). Every
+      value gives the same masks: the k largest |corrected gradient|, ties
+      to the lower index, NaN above +-inf (`comm.topk`).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose `update` needs `params`
@@ -199,10 +207,12 @@ def scale_by_radius(
   _common.check_non_negative('scale_by_radius', 'weight_decay', weight_decay)
   top_k_count(density, 1)  # validates density
   _common.check_int('scale_by_radius', 'index_radius', index_radius, 0)
+  topk.check_select(select, 'scale_by_radius')
   schedule = RadiusSchedule(interval, threshold)
   adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
   hyper = _Hyper(axis_name=axis_name, clip_norm=clip_norm,
-                 weight_decay=weight_decay, index_radius=index_radius)
+                 weight_decay=weight_decay, index_radius=index_radius,
+                 select=select)
 
   def init_fn(params):
     return _init_state(params, compress, density, index_radius, axis_name,
@@ -269,6 +279,7 @@ class _Hyper:
   clip_norm: Optional[float]
   weight_decay: float
   index_radius: int
+  select: str = 'auto'
 
 
 def _update(grads, state: ScaleByRadiusState, params, kind: str, *,
@@ -291,7 +302,7 @@ def _update(grads, state: ScaleByRadiusState, params, kind: str, *,
   corrected = _add_weight_decay(flat(direction), params, plan, decay,
                                 hyper.weight_decay)
   if kind == RESAMPLE:
-    masks = _select(corrected, masks, plan, hyper.index_radius)
+    masks = _select(corrected, masks, plan, hyper.index_radius, hyper.select)
 
   vary = functools.partial(varying, axis_name=hyper.axis_name)
   sparse = [e for e in residual if e is not None]
@@ -371,17 +382,21 @@ def _add_weight_decay(direction, params, plan, decay, weight_decay):
                                 decay)]
 
 
-def _select(corrected, masks, plan: RadiusPlan, index_radius: int) -> list:
-  """New shared masks: per sparse leaf, the top-k of |corrected|, widened."""
+def _select(corrected, masks, plan: RadiusPlan, index_radius: int,
+            select: str) -> list:
+  """New shared masks: per sparse leaf, the top-k of |corrected| (ties:
+  lower index first) as ascending offsets, widened."""
   out = []
   for j, (u, mask) in enumerate(zip(corrected, masks)):
     if plan.slots[j] is None:
       out.append(mask)
       continue
-    scores = jnp.abs(u.reshape(-1))
-    _, centres = jax.lax.top_k(scores, plan.k[j])  # ties: lower index first
+    scores, k = u.reshape(-1), plan.k[j]
+    words = topk.chunk_topk_words(scores, scores.shape[0], k, k,
+                                  select=select)
+    centres = mask_bits.words_to_offsets(words[None], k)[0]
     if index_radius == 0:
-      out.append(jnp.sort(centres).astype(jnp.int32))
+      out.append(centres)
     else:
       out.append(_widen(centres, plan.size(j), index_radius, plan.slots[j]))
   return out
@@ -421,6 +436,7 @@ def radius(
     clip_norm: Optional[float] = _common.CLIP_NORM,
     axis_name: Optional[str] = 'data',
     compress: MaskOrFn = None,
+    select: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """Radius: `scale_by_radius`, then the learning rate.
 
@@ -433,7 +449,7 @@ def radius(
   Args:
     learning_rate: a float or an optax schedule.
     density, interval, threshold, index_radius, b1, b2, eps, weight_decay,
-      weight_decay_mask, clip_norm, axis_name, compress: see
+      weight_decay_mask, clip_norm, axis_name, compress, select: see
       `scale_by_radius`.
 
   Returns:
@@ -449,7 +465,7 @@ def radius(
                       weight_decay=weight_decay,
                       weight_decay_mask=weight_decay_mask,
                       clip_norm=clip_norm, axis_name=axis_name,
-                      compress=compress),
+                      compress=compress, select=select),
       optax.scale_by_learning_rate(learning_rate),
   )
 

@@ -265,6 +265,7 @@ class RadiusConfig:
   dense_fraction: float = radius_lib.DENSE_FRACTION
   # r >= 0: each selected index i is widened to [i - r, i + r].
   index_radius: int = 0
+  select: str = 'auto'  # Top-k at a resample, one of comm.topk.SELECTS.
 
 
 def _radius_threshold(dense_fraction: float, total_steps: int) -> int:
@@ -281,6 +282,7 @@ def _build_radius(cfg, section: RadiusConfig, lr, ctx) -> Built:
   tx = radius_lib.radius(
       lr, density=section.density, interval=schedule.interval,
       threshold=schedule.threshold, index_radius=section.index_radius,
+      select=section.select,
       b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
       clip_norm=cfg.clip_norm if cfg.clip_norm > 0 else None,
       axis_name=ctx.axis_name)
