@@ -203,16 +203,10 @@ def scale_by_radius(
     Zheng et al., "Radius: Range-based Gradient Sparsity for Large Foundation
     Model Pre-training", Algorithms 1-2; `docs/design.md`, "Radius".
   """
-  _common.check_moments('scale_by_radius', b1, b2, eps, clip_norm)
-  _common.check_non_negative('scale_by_radius', 'weight_decay', weight_decay)
-  top_k_count(density, 1)  # validates density
-  _common.check_int('scale_by_radius', 'index_radius', index_radius, 0)
-  topk.check_select(select, 'scale_by_radius')
-  schedule = RadiusSchedule(interval, threshold)
-  adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
-  hyper = _Hyper(axis_name=axis_name, clip_norm=clip_norm,
-                 weight_decay=weight_decay, index_radius=index_radius,
-                 select=select)
+  schedule, adam, hyper = _configure(
+      density, interval, threshold, index_radius, select, b1=b1, b2=b2,
+      eps=eps, clip_norm=clip_norm, weight_decay=weight_decay,
+      axis_name=axis_name)
 
   def init_fn(params):
     return _init_state(params, compress, density, index_radius, axis_name,
@@ -233,6 +227,22 @@ def scale_by_radius(
     return _at_step_kind(step, step_kind, schedule.kind_index(state.count))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _configure(density, interval, threshold, index_radius, select, *, b1, b2,
+               eps, clip_norm, weight_decay, axis_name) -> tuple:
+  """Checks `scale_by_radius`'s arguments (a ValueError names the bad value
+  and what is allowed); (its RadiusSchedule, its Adam, its _Hyper)."""
+  _common.check_moments('scale_by_radius', b1, b2, eps, clip_norm)
+  _common.check_non_negative('scale_by_radius', 'weight_decay', weight_decay)
+  top_k_count(density, 1)  # validates density
+  _common.check_int('scale_by_radius', 'index_radius', index_radius, 0)
+  topk.check_select(select, 'scale_by_radius')
+  return (RadiusSchedule(interval, threshold),
+          optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
+          _Hyper(axis_name=axis_name, clip_norm=clip_norm,
+                 weight_decay=weight_decay, index_radius=index_radius,
+                 select=select))
 
 
 def _at_step_kind(step, step_kind: Optional[str], kind_index):
