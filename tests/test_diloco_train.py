@@ -29,6 +29,7 @@ from scape_jax.comm.collectives import pmean_gradients
 from scape_jax.optim import _scape as scape_lib
 from scape_jax.train import checkpoint
 from scape_jax.train import config as config_lib
+from scape_jax.train import methods
 from scape_jax.train import step as step_lib
 from scape_jax.train import trainer as trainer_lib
 from tests.tiny_runs import random_batches, run_config
@@ -235,6 +236,32 @@ def test_resume_between_syncs_is_bit_exact(corpus, tmp_path, monkeypatch):
     assert np.abs(np.asarray(b['opt'].momentum['lm_head']['kernel'])).max() > 0
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize('name', ['diloco', 'pier'])
+def test_an_outer_method_reports_only_its_inner_methods_stats(name,
+                                                              monkeypatch):
+  """Not every registered method's: another one's `stats` may fail on this
+  state (a study method of bench/fidelity_tools.py did, run in the same
+  process)."""
+
+  def foreign(opt_state):
+    raise AssertionError('stats of a method that is not the inner one')
+
+  monkeypatch.setitem(methods.REGISTRY, 'foreign',
+                      methods.MethodSpec('foreign', None, stats=foreign))
+  cfg = _cfg(f'--config.optimizer.name={name}', '--config.mesh.replica=2',
+             f'--config.optimizer.{name}.inner=scape',
+             f'--config.optimizer.{name}.sync_every=2',
+             *([] if name == 'diloco' else
+               ['--config.optimizer.pier.lazy_start=0']))
+  method = methods.build(cfg.optimizer, 4)
+  mesh = sharding.make_mesh(replica=1, data=8)
+  with jax.set_mesh(mesh):  # SCAPE's init reads the 'data' axis size
+    state = method.tx.init(_tiny_params())
+  stats = method.stats(state)
+  assert sorted(stats) == ['density', 'residual_norm']
+  assert float(stats['density']) == 1.0
 
 
 # ----------------------------------------------------------------------------

@@ -58,6 +58,9 @@ class Built(NamedTuple):
   # (abstract) opt_state -> its memory kind per leaf ('device',
   # 'pinned_host'); None: every leaf in device memory.
   memory_kinds: Optional[Callable[[Any], Any]] = None
+  # opt_state -> the statistics to log; None: the spec's `stats`. An outer
+  # method sets it to its inner method's.
+  stats: Optional[Callable[[Any], dict]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +108,7 @@ class Method:
   learning_rate: optax.Schedule
   static_args: Optional[Callable[[int], dict]] = None
   memory_kinds: Optional[Callable[[Any], Any]] = None  # see `Built`
+  stats_fn: Optional[Callable[[Any], dict]] = None  # `Built.stats`
 
   @property
   def name(self) -> str:
@@ -115,7 +119,7 @@ class Method:
     return {} if self.static_args is None else self.static_args(step)
 
   def stats(self, opt_state) -> dict:
-    return self.spec.stats(opt_state)
+    return (self.stats_fn or self.spec.stats)(opt_state)
 
 
 def learning_rate(cfg, total_steps: int) -> optax.Schedule:
@@ -137,7 +141,8 @@ def build(cfg, total_steps: int, ctx: Context = Context()) -> Method:
   lr = learning_rate(cfg, total_steps)
   built = spec.build(cfg, section, lr,
                      dataclasses.replace(ctx, total_steps=total_steps))
-  return Method(spec, built.tx, lr, built.static_args, built.memory_kinds)
+  return Method(spec, built.tx, lr, built.static_args, built.memory_kinds,
+                built.stats)
 
 
 # ----------------------------------------------------------------------------
@@ -362,6 +367,7 @@ def _inner_method(cfg, section, lr, ctx, lazy: bool) -> tuple:
         'lazy_start=0.')
   own = getattr(cfg, spec.name) if spec.section else None
   inner = spec.build(cfg, own, lr, ctx)
+  inner = inner._replace(stats=inner.stats or spec.stats)
   lazy_built = spec.build(cfg, own, lr, dataclasses.replace(
       ctx, axis_name=(REPLICA, ctx.axis_name))) if lazy else None
   return inner, lazy_built
@@ -373,7 +379,8 @@ def _outer_built(tx, schedule, inner: Built, offload: bool) -> Built:
     return dict(extra, phase=schedule.phase(step))
 
   return Built(tx, static_args, _outer_memory_kinds(offload,
-                                                     inner.memory_kinds))
+                                                     inner.memory_kinds),
+               inner.stats)
 
 
 def _outer_memory_kinds(offload: bool, inner_kinds):
@@ -415,20 +422,11 @@ def _build_pier(cfg, section: PierConfig, lr, ctx) -> Built:
   return _outer_built(tx, schedule, inner, section.offload)
 
 
-def _inner_stats(opt_state) -> dict:
-  """The statistics of the inner method (whichever it is)."""
-  stats = {}
-  for spec in REGISTRY.values():
-    if not spec.per_replica:
-      stats.update(spec.stats(opt_state))
-  return stats
-
-
 register(MethodSpec('diloco', _build_diloco, section=DiLoCoConfig,
-                    per_replica=True, stats=_inner_stats,
+                    per_replica=True,
                     summary='DiLoCo: an inner method per replica group, an '
                     'outer Nesterov step every sync_every steps'))
 register(MethodSpec('pier', _build_pier, section=PierConfig,
-                    per_replica=True, stats=_inner_stats,
+                    per_replica=True,
                     summary='Pier: DiLoCo with a lazy start, momentum warmup '
                     'and decay, an outer lr schedule and host offload'))
