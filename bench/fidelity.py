@@ -399,6 +399,10 @@ def main():
                    'name (figures)')
     p.add_argument('--seeds', default=','.join(map(str, ALL_SEEDS)),
                    help='comma-separated seeds to run (grid only)')
+    if name == 'report':
+      p.add_argument('--allow-fewer', action='store_true',
+                     help='write docs/results.md even from fewer runs than '
+                     'it was made from')
   one = sub.add_parser('one')
   one.add_argument('spec')
   args = parser.parse_args()
@@ -422,7 +426,7 @@ def main():
             fidelity_report.load_grid(args.out), args.out))
   else:
     import fidelity_report  # pylint: disable=g-import-not-at-top
-    fidelity_report.write(args.out)
+    fidelity_report.write(args.out, args.allow_fewer)
 
 
 if __name__ == '__main__':

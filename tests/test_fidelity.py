@@ -350,3 +350,34 @@ def test_paired_text_subtracts_gaps_seed_by_seed(monkeypatch):
   assert lines[1].startswith('- v d=0.01 minus w d=0.01 (seeds 0, 2): '
                              f'{diffs[[0, 2]].mean():+.2f}')
   assert len(lines) == 2  # no method has ten seeds
+
+
+def test_report_refuses_to_replace_results_with_fewer_runs(tmp_path,
+                                                            monkeypatch):
+  """`fidelity_report.write` on a checkout holding part of the runs stops
+  before it touches docs/results.md or a plot, unless told to go on."""
+  import fidelity  # pylint: disable=g-import-not-at-top
+  import fidelity_report  # pylint: disable=g-import-not-at-top
+  doc, plots, out = tmp_path / 'results.md', tmp_path / 'plots', tmp_path
+  text = ('# Results\n<!-- begin fidelity -->\n## Fidelity\n'
+          'Generated. 100 of 900 grid runs finished.\n'
+          '<!-- end fidelity -->\n')
+  doc.write_text(text)
+  monkeypatch.setattr(fidelity_report, 'DOC', str(doc))
+  monkeypatch.setattr(fidelity_report, 'PLOTS', str(plots))
+  (out / 'runs').mkdir()
+  _, _, _, overrides = fidelity.grid_runs()[0]
+  (out / 'runs' / (fidelity.run_key(overrides) + '.json')).write_text(
+      '{"eval_loss": 2.0}')
+  with pytest.raises(SystemExit, match=r'holds [1-9] finished grid runs and '
+                     r'0 of \d+ figure runs; .* made from 100 grid runs'):
+    fidelity_report.write(str(out))
+  assert doc.read_text() == text and not plots.exists()
+  with pytest.raises(SystemExit, match='0 of'):  # the figures' runs lack
+    fidelity_report.check_not_fewer(str(out), 100)
+  monkeypatch.setattr(fidelity, 'figure_runs', lambda: [])
+  fidelity_report.check_not_fewer(str(out), 100)  # as many: it may write
+  with pytest.raises(SystemExit, match='holds 99 finished'):
+    fidelity_report.check_not_fewer(str(out), 99)
+  doc.write_text('# Results\n')  # no section yet: nothing to lose
+  fidelity_report.check_not_fewer(str(out), 0)
