@@ -404,7 +404,10 @@ def missing_text(out: str) -> list:
 
 def _finished_in_doc() -> int:
   """Grid runs the "fidelity" section of DOC was made from (0 if none)."""
-  section = results_md.sections(results_md._read(DOC)).get('fidelity', '')  # pylint: disable=protected-access
+  if not os.path.exists(DOC):
+    return 0
+  with open(DOC, encoding='utf-8') as f:
+    section = results_md.sections(f.read()).get('fidelity', '')
   found = re.search(r'(\d+) of \d+ grid runs finished', section)
   return int(found.group(1)) if found else 0
 
@@ -413,12 +416,12 @@ def check_not_fewer(out: str, done: int) -> None:
   """Refuses to replace the section and its plots with ones made from fewer
   runs than it has (a checkout holding part of the runs would blank them)."""
   before = _finished_in_doc()
-  figures = [k for k, _, _ in fidelity.figure_runs() if _load(out, k) is None]
-  if done < before or (before and figures):
+  figures = [k for k, _, _ in fidelity.figure_runs()]
+  have = sum(_load(out, k) is not None for k in figures)
+  if done < before or (before and have < len(figures)):
     raise SystemExit(
         f'fidelity report: {out} holds {done} finished grid runs and '
-        f'{len(fidelity.figure_runs()) - len(figures)} of '
-        f'{len(fidelity.figure_runs())} figure runs; {DOC} was made from '
+        f'{have} of {len(figures)} figure runs; {DOC} was made from '
         f'{before} grid runs and its figures. Writing it now would lose '
         'what it shows. Copy the missing runs into --out, or pass '
         '--allow-fewer to write it anyway.')
