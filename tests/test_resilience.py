@@ -78,6 +78,20 @@ def test_unused_method_sections_are_not_compared():
   assert resume.config_changes(saved, current) == {}
 
 
+def test_the_inner_method_section_of_an_outer_method_is_compared():
+  """DiLoCo with an inner SCAPE: optimizer.scape is in use; radius is not."""
+  inner = ['--config.optimizer.name=diloco',
+           '--config.optimizer.diloco.inner=scape']
+  saved = config_lib.to_dict(config_lib.load(None, inner))
+  current = config_lib.to_dict(config_lib.load(None, inner + [
+      '--config.optimizer.scape.density=0.05',
+      '--config.optimizer.radius.density=0.25']))
+  assert resume.config_changes(saved, current) == {
+      'optimizer.scape.density': (0.01, 0.05)}
+  with pytest.raises(config_lib.ConfigError, match='optimizer.scape.density'):
+    resume.check_config(saved, current, 'ckpt 5', allow_change=False)
+
+
 def _fake_metrics(skipped):
   return {'loss': jnp.float32(np.nan if skipped else 1.0),
           'grad_norm': jnp.float32(1.0), 'skipped': jnp.float32(skipped)}

@@ -63,11 +63,21 @@ def flatten(tree: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
   return out
 
 
-def _unused_section(key: str, method: str) -> bool:
+def _unused_section(key: str, in_use: set) -> bool:
   """Whether `key` belongs to the own section of a method not in use."""
   parts = key.split('.')
   return (len(parts) > 2 and parts[0] == 'optimizer' and
-          parts[1] != method and parts[1] in methods.REGISTRY)
+          parts[1] not in in_use and parts[1] in methods.REGISTRY)
+
+
+def _methods_in_use(cfg: Mapping[str, Any]) -> set:
+  """`optimizer.name` and, for an outer method (DiLoCo, Pier), its inner
+  method, whose section is in use too."""
+  optimizer = cfg.get('optimizer', {})
+  name = optimizer.get('name')
+  section = optimizer.get(name, {})
+  inner = section.get('inner') if isinstance(section, Mapping) else None
+  return {name, inner} - {None}
 
 
 def config_changes(saved: Mapping[str, Any],
@@ -77,11 +87,10 @@ def config_changes(saved: Mapping[str, Any],
   The sections of methods that neither config uses are left out.
   """
   old, new = flatten(saved), flatten(current)
-  in_use = {saved.get('optimizer', {}).get('name'),
-            current.get('optimizer', {}).get('name')}
+  in_use = _methods_in_use(saved) | _methods_in_use(current)
   changes = {}
   for key in sorted(old.keys() | new.keys()):
-    if all(_unused_section(key, m) for m in in_use):
+    if _unused_section(key, in_use):
       continue
     before, after = old.get(key, _ABSENT), new.get(key, _ABSENT)
     if before != after:
