@@ -90,6 +90,11 @@ def test_the_inner_method_section_of_an_outer_method_is_compared():
       'optimizer.scape.density': (0.01, 0.05)}
   with pytest.raises(config_lib.ConfigError, match='optimizer.scape.density'):
     resume.check_config(saved, current, 'ckpt 5', allow_change=False)
+  other = config_lib.to_dict(config_lib.load(None, inner[:1] + [
+      '--config.optimizer.diloco.inner=adams']))  # another inner state
+  with pytest.raises(config_lib.ConfigError, match=r"must stay as saved(.|\n)*"
+                     r"optimizer.diloco.inner: 'scape' -> 'adams'"):
+    resume.check_config(saved, other, 'ckpt 5', allow_change=True)
 
 
 def _fake_metrics(skipped):

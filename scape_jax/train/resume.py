@@ -36,7 +36,8 @@ RESUME_SAFE_KEYS = ('log_every', 'eval_every', 'eval_batches', 'ckpt_every',
                     'optimizer.scape.offload', 'optimizer.scape.offload_kind',
                     'optimizer.scape.distributed')
 # Keys (or 'section.' prefixes) that fix the state's shapes or the data order.
-STRUCTURAL_KEYS = ('optimizer.name', 'model.preset', 'model.param_dtype',
+STRUCTURAL_KEYS = ('optimizer.name', 'optimizer.diloco.inner',
+                   'optimizer.pier.inner', 'model.preset', 'model.param_dtype',
                    'mesh.', 'seed', 'data.corpus', 'data.tokenizer',
                    'data.seq_len', 'data.batch_size')
 _ABSENT = '(absent)'
