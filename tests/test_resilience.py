@@ -95,6 +95,18 @@ def test_the_inner_method_section_of_an_outer_method_is_compared():
   with pytest.raises(config_lib.ConfigError, match=r"must stay as saved(.|\n)*"
                      r"optimizer.diloco.inner: 'scape' -> 'adams'"):
     resume.check_config(saved, other, 'ckpt 5', allow_change=True)
+  # Algorithm 1 <-> 2 is converted on restore for optimizer.name='scape'
+  # only: inside DiLoCo it would fail on the state's pytree paths.
+  flip = '--config.optimizer.scape.distributed=true'
+  mode = config_lib.to_dict(config_lib.load(None, inner + [flip]))
+  with pytest.raises(config_lib.ConfigError, match=r"must stay as saved(.|\n)*"
+                     r"optimizer.scape.distributed: False -> True"):
+    resume.check_config(saved, mode, 'ckpt 5', allow_change=True)
+  alone = [inner[1].replace('diloco.inner', 'name')]
+  assert resume.check_config(
+      config_lib.to_dict(config_lib.load(None, alone)),
+      config_lib.to_dict(config_lib.load(None, alone + [flip])), 'ckpt 5',
+      allow_change=False) == {'optimizer.scape.distributed': (False, True)}
 
 
 def _fake_metrics(skipped):

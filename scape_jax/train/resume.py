@@ -40,6 +40,9 @@ STRUCTURAL_KEYS = ('optimizer.name', 'optimizer.diloco.inner',
                    'optimizer.pier.inner', 'model.preset', 'model.param_dtype',
                    'mesh.', 'seed', 'data.corpus', 'data.tokenizer',
                    'data.seq_len', 'data.batch_size')
+# Safe only where the restore converts the state (`convert.restore_other_mode`:
+# optimizer.name='scape'); structural elsewhere, e.g. SCAPE inside DiLoCo.
+CONVERTED_KEYS = ('optimizer.scape.distributed',)
 _ABSENT = '(absent)'
 
 
@@ -124,7 +127,9 @@ def check_config(saved: Mapping[str, Any], current: Mapping[str, Any],
     Every change (safe ones included), to report and record.
   """
   changes = config_changes(saved, current)
-  structural = {k: v for k, v in changes.items() if _is_structural(k)}
+  converts = current.get('optimizer', {}).get('name') == 'scape'
+  structural = {k: v for k, v in changes.items() if _is_structural(k) or (
+      k in CONVERTED_KEYS and not converts)}
   if structural:
     raise config_lib.ConfigError(
         f'cannot resume {where} with this config: these keys fix the model, '
