@@ -5,10 +5,12 @@ checks), then a few short runs of the trainer that share one small corpus.
 `tests/test_cli.py` signals a real `train.py` process.
 """
 
+import dataclasses
 import json
 import os
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from scape_jax.data import prepare
 from scape_jax.train import checkpoint
 from scape_jax.train import config as config_lib
 from scape_jax.train import guard
+from scape_jax.train import methods
 from scape_jax.train import resume
 from scape_jax.train import trainer as trainer_lib
 from scape_jax.train.metrics import MetricsLogger, read_jsonl
@@ -107,6 +110,62 @@ def test_the_inner_method_section_of_an_outer_method_is_compared():
       config_lib.to_dict(config_lib.load(None, alone)),
       config_lib.to_dict(config_lib.load(None, alone + [flip])), 'ckpt 5',
       allow_change=False) == {'optimizer.scape.distributed': (False, True)}
+
+
+# Another valid value of every key of every method's section.
+_OTHER_VALUE = {
+    'scape': dict(density=0.1, density_warmup_steps=3, density_levels=4,
+                  mask_encoding='bitmap', select='sort', offload=True,
+                  offload_kind='device', distributed=True, fp32_replica=True,
+                  payload_dtype='bfloat16', offset_bits='16',
+                  variant='local_adam'),
+    'radius': dict(density=0.25, interval=5, dense_fraction=0.3,
+                   index_radius=1, select='sort'),
+    'demo': dict(beta=0.9, chunk=32, topk=8),
+    'diloco': dict(inner='adams', sync_every=5, outer_lr=0.5,
+                   outer_momentum=0.5, offload=True),
+    'pier': dict(inner='adams', sync_every=5, lazy_start=0.0,
+                 momentum_warmup=False, momentum_decay=False,
+                 outer_lr_schedule=False, outer_momentum=0.5, outer_lr=0.5,
+                 offload=False),
+}
+
+
+def _state_shapes(args):
+  program = trainer.build_program(config_lib.load(None, [
+      '--config.model.preset=llama-tiny', '--config.data.seq_len=16',
+      '--config.data.batch_size=16', '--config.steps=10', *args]))
+  return (jax.tree.structure(program.abstract_opt),
+          [(x.shape, x.dtype) for x in jax.tree.leaves(program.abstract_opt)])
+
+
+def test_every_key_resumable_with_the_flag_keeps_the_optimizer_state():
+  """A change that --allow-config-change lets through must restore: the
+  optimizer state keeps its pytree and shapes (or, for
+  `resume.CONVERTED_KEYS`, is converted). Any other key must be refused
+  before a checkpoint is read, naming it, not fail on pytree paths."""
+  sections = {n: s.section for n, s in methods.REGISTRY.items()
+              if s.section is not None}
+  assert set(_OTHER_VALUE) == set(sections)
+  for name, section in sections.items():
+    assert set(_OTHER_VALUE[name]) == {
+        f.name for f in dataclasses.fields(section)}, name
+    args = [f'--config.optimizer.name={name}']
+    if methods.REGISTRY[name].per_replica:  # DiLoCo over SCAPE, Pier adamw
+      args += ['--config.mesh.replica=2', '--config.optimizer.diloco.inner='
+               'scape']
+    saved = config_lib.to_dict(config_lib.load(None, args))
+    before = _state_shapes(args)
+    for key, value in _OTHER_VALUE[name].items():
+      changed = args + [f'--config.optimizer.{name}.{key}={value}']
+      try:
+        resume.check_config(saved, config_lib.to_dict(config_lib.load(
+            None, changed)), 'ckpt', allow_change=True)
+      except config_lib.ConfigError as e:
+        assert f'optimizer.{name}.{key}' in str(e)
+        continue
+      if f'optimizer.{name}.{key}' not in resume.CONVERTED_KEYS:
+        assert _state_shapes(changed) == before, f'optimizer.{name}.{key}'
 
 
 def _fake_metrics(skipped):
