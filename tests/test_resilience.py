@@ -135,15 +135,33 @@ def _state_shapes(args):
   program = trainer.build_program(config_lib.load(None, [
       '--config.model.preset=llama-tiny', '--config.data.seq_len=16',
       '--config.data.batch_size=16', '--config.steps=10', *args]))
-  return (jax.tree.structure(program.abstract_opt),
-          [(x.shape, x.dtype) for x in jax.tree.leaves(program.abstract_opt)])
+  state = (program.abstract_params, program.abstract_opt)
+  return (jax.tree.structure(state),
+          [(x.shape, x.dtype) for x in jax.tree.leaves(state)])
 
 
-def test_every_key_resumable_with_the_flag_keeps_the_optimizer_state():
-  """A change that --allow-config-change lets through must restore: the
-  optimizer state keeps its pytree and shapes (or, for
-  `resume.CONVERTED_KEYS`, is converted). Any other key must be refused
-  before a checkpoint is read, naming it, not fail on pytree paths."""
+def _check_resumable_keys_keep_the_state(args, other_values: dict):
+  """Each `key=value` that --allow-config-change lets through keeps the
+  parameters' and the optimizer state's pytree and shapes (or is in
+  `resume.CONVERTED_KEYS`); any other is refused, naming the key."""
+  saved = config_lib.to_dict(config_lib.load(None, args))
+  before = _state_shapes(args)
+  for key, value in other_values.items():
+    changed = args + [f'--config.{key}={value}']
+    try:
+      resume.check_config(saved, config_lib.to_dict(config_lib.load(
+          None, changed)), 'ckpt', allow_change=True)
+    except config_lib.ConfigError as e:
+      assert key in str(e)
+      continue
+    if key not in resume.CONVERTED_KEYS:
+      assert _state_shapes(changed) == before, key
+
+
+def test_every_key_resumable_with_the_flag_keeps_the_state():
+  """A change that --allow-config-change lets through must restore; any
+  other must be refused before a checkpoint is read, naming the key, not
+  fail on pytree paths. Every key of every method's section is tried."""
   sections = {n: s.section for n, s in methods.REGISTRY.items()
               if s.section is not None}
   assert set(_OTHER_VALUE) == set(sections)
@@ -154,18 +172,13 @@ def test_every_key_resumable_with_the_flag_keeps_the_optimizer_state():
     if methods.REGISTRY[name].per_replica:  # DiLoCo over SCAPE, Pier adamw
       args += ['--config.mesh.replica=2', '--config.optimizer.diloco.inner='
                'scape']
-    saved = config_lib.to_dict(config_lib.load(None, args))
-    before = _state_shapes(args)
-    for key, value in _OTHER_VALUE[name].items():
-      changed = args + [f'--config.optimizer.{name}.{key}={value}']
-      try:
-        resume.check_config(saved, config_lib.to_dict(config_lib.load(
-            None, changed)), 'ckpt', allow_change=True)
-      except config_lib.ConfigError as e:
-        assert f'optimizer.{name}.{key}' in str(e)
-        continue
-      if f'optimizer.{name}.{key}' not in resume.CONVERTED_KEYS:
-        assert _state_shapes(changed) == before, f'optimizer.{name}.{key}'
+    _check_resumable_keys_keep_the_state(args, {
+        f'optimizer.{name}.{k}': v for k, v in _OTHER_VALUE[name].items()})
+  _check_resumable_keys_keep_the_state(  # LoRA adapters are parameters
+      ['--config.model.lora.targets=q_proj,v_proj'], {
+          'model.lora.rank': 4, 'model.lora.targets': 'q_proj',
+          'model.lora.alpha': 8.0, 'model.dtype': 'float32',
+          'model.remat': 'true', 'data.micro_batches': 2})
 
 
 def _fake_metrics(skipped):

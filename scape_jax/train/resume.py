@@ -36,13 +36,15 @@ RESUME_SAFE_KEYS = ('log_every', 'eval_every', 'eval_batches', 'ckpt_every',
                     'optimizer.scape.offload', 'optimizer.scape.offload_kind',
                     'optimizer.scape.distributed')
 # Keys (or 'section.' prefixes) that fix the state's shapes or the data order.
-# (`tests/test_resilience.py` checks that every other method key keeps the
-# optimizer state's pytree and shapes.)
+# (`tests/test_resilience.py` checks that every other method key, and the
+# model keys, keep the parameters' and the optimizer state's pytree and
+# shapes.)
 STRUCTURAL_KEYS = ('optimizer.name', 'optimizer.diloco.inner',
                    'optimizer.pier.inner', 'optimizer.scape.fp32_replica',
                    'optimizer.scape.variant', 'optimizer.radius.density',
                    'optimizer.radius.index_radius', 'model.preset',
-                   'model.param_dtype', 'mesh.', 'seed', 'data.corpus',
+                   'model.param_dtype', 'model.lora.rank',
+                   'model.lora.targets', 'mesh.', 'seed', 'data.corpus',
                    'data.tokenizer', 'data.seq_len', 'data.batch_size')
 # Safe only where the restore converts the state (`convert.restore_other_mode`:
 # optimizer.name='scape'); structural elsewhere, e.g. SCAPE inside DiLoCo.
