@@ -40,6 +40,12 @@ def convert_opt_state(opt_state, params, to_dist: bool):
       is_leaf=_is_scape_state)
 
 
+def converts_modes(optimizer_name: str) -> bool:
+  """Whether a checkpoint of the other SCAPE mode is converted on restore
+  for this method: SCAPE itself, not an outer method over it."""
+  return optimizer_name == 'scape'
+
+
 def restore_other_mode(program, ckpt: Checkpointer, step: int,
                        error: CheckpointError) -> tuple:
   """(state, extras) of `step` saved in the other SCAPE mode, converted.
@@ -48,7 +54,7 @@ def restore_other_mode(program, ckpt: Checkpointer, step: int,
   the other mode either (or the run is not SCAPE's).
   """
   cfg = program.cfg
-  if cfg.optimizer.name != 'scape' or program.layout.per_replica:
+  if not converts_modes(cfg.optimizer.name) or program.layout.per_replica:
     raise error
   from scape_jax.train import program as program_lib  # pylint: disable=g-import-not-at-top
   other = program_lib.build_program(_flipped(cfg),

@@ -46,8 +46,8 @@ STRUCTURAL_KEYS = ('optimizer.name', 'optimizer.diloco.inner',
                    'model.param_dtype', 'model.lora.rank',
                    'model.lora.targets', 'mesh.', 'seed', 'data.corpus',
                    'data.tokenizer', 'data.seq_len', 'data.batch_size')
-# Safe only where the restore converts the state (`convert.restore_other_mode`:
-# optimizer.name='scape'); structural elsewhere, e.g. SCAPE inside DiLoCo.
+# Safe only where the restore converts the state (`convert.converts_modes`);
+# structural elsewhere, e.g. SCAPE inside DiLoCo.
 CONVERTED_KEYS = ('optimizer.scape.distributed',)
 _ABSENT = '(absent)'
 
@@ -133,7 +133,7 @@ def check_config(saved: Mapping[str, Any], current: Mapping[str, Any],
     Every change (safe ones included), to report and record.
   """
   changes = config_changes(saved, current)
-  converts = current.get('optimizer', {}).get('name') == 'scape'
+  converts = convert.converts_modes(current.get('optimizer', {}).get('name'))
   structural = {k: v for k, v in changes.items() if _is_structural(k) or (
       k in CONVERTED_KEYS and not converts)}
   if structural:
