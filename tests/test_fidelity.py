@@ -360,7 +360,7 @@ def test_report_refuses_to_replace_results_with_fewer_runs(tmp_path,
   import fidelity_report  # pylint: disable=g-import-not-at-top
   doc, plots, out = tmp_path / 'results.md', tmp_path / 'plots', tmp_path
   text = ('# Results\n<!-- begin fidelity -->\n## Fidelity\n'
-          'Generated. 100 of 900 grid runs finished.\n'
+          f'Generated. {fidelity_report.FINISHED.format(100, 900)}.\n'
           '<!-- end fidelity -->\n')
   doc.write_text(text)
   monkeypatch.setattr(fidelity_report, 'DOC', str(doc))
