@@ -58,3 +58,30 @@ def test_adams_state_has_no_second_moment():
 def test_adams_rejects_bad_hyperparameters(kwargs):
   with pytest.raises(ValueError, match=list(kwargs)[0]):
     scape_jax.scale_by_adams(**kwargs)
+
+
+@pytest.mark.parametrize('mu_dtype, param_dtype', [
+    (jnp.bfloat16, jnp.float32),  # an explicit mu_dtype
+    (None, jnp.bfloat16),  # mu in the params' dtype, fp32 gradients
+])
+def test_adams_state_keeps_its_dtypes(mu_dtype, param_dtype):
+  """The moment stays in its init dtype, as optax.adam's does, so a scanned
+  loop's carry and a checkpoint's dtypes do not change after a step."""
+  params = {'w': jnp.ones((4, 4), param_dtype)}
+  grads = {'w': jnp.full((4, 4), 0.3, jnp.float32)}
+  tx = scape_jax.adams(1e-2, mu_dtype=mu_dtype)
+  want = optax.adam(1e-2, mu_dtype=mu_dtype).init(params)[0].mu['w'].dtype
+
+  def body(carry, _):
+    p, s = carry
+    u, s = tx.update(grads, s, p)
+    return (optax.apply_updates(p, u), s), None
+
+  (_, state), _ = jax.lax.scan(body, (params, tx.init(params)), None, length=3)
+  assert state[0].mu['w'].dtype == want
+  # The step itself is the fp32 one's, rounded once into the moment.
+  _, ref = tx.update(grads, tx.init(params), params)
+  _, f32 = scape_jax.adams(1e-2).update(
+      grads, scape_jax.adams(1e-2).init(params), params)
+  np.testing.assert_allclose(np.float32(ref[0].mu['w']),
+                             np.float32(f32[0].mu['w']), rtol=1e-2)

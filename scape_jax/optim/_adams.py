@@ -37,7 +37,9 @@ def scale_by_adams(
     b2: weight of the previous first moment squared in the preconditioner.
     eps: term added to the denominator for numerical stability.
     mu_dtype: optional dtype of the first moment; `None` keeps the dtype of
-      the params (fp32 master weights in this project).
+      the params (fp32 master weights in this project). The update is
+      computed in the promoted precision and the stored moment cast back, as
+      in `optax.scale_by_adam`, so the state's dtypes never change.
 
   Returns:
     An `optax.GradientTransformation` whose state is `ScaleByAdamSState`.
@@ -61,6 +63,7 @@ def scale_by_adams(
     count = optax.safe_increment(state.count)
     direction = _common.bias_corrected_direction(mu, nu, count, b1=b1, b2=b2, eps=eps)
     direction = jax.tree.map(lambda d, g: d.astype(g.dtype), direction, updates)
+    mu = jax.tree.map(lambda m, old: m.astype(old.dtype), mu, mu_prev)
     return direction, ScaleByAdamSState(count=count, mu=mu)
 
   return optax.GradientTransformation(init_fn, update_fn)
