@@ -118,6 +118,30 @@ def test_density_one_is_adamw_at_every_step_kind():
                                   np.asarray(base.params[k]))
 
 
+@pytest.mark.parametrize('clip_norm', [1.0, 0.0])
+def test_inject_hyperparams_as_the_docstring_says(clip_norm):
+  """With the static_args that `radius`'s docstring names, clip_norm and
+  weight_decay arrive as arrays; the run equals the plain one (0 disables
+  the clip, as None does)."""
+  params = random_params(SHAPES)
+  grads = worker_grads(params, 4, 7)
+  kw = dict(density=0.3, interval=2, threshold=1)
+  injected = optax.inject_hyperparams(
+      scape_jax.radius,
+      static_args=('density', 'interval', 'threshold', 'index_radius'))(
+          learning_rate=1e-2, clip_norm=clip_norm, weight_decay=0.1, **kw)
+  plain = scape_jax.radius(1e-2, clip_norm=clip_norm or None,
+                           weight_decay=0.1, **kw)
+  a = MeshRunner(injected, params, 4)
+  b = MeshRunner(plain, params, 4)
+  for g in grads:
+    a.step(g)
+    b.step(g)
+  for k in params:
+    np.testing.assert_allclose(np.asarray(a.params[k]),
+                               np.asarray(b.params[k]), rtol=1e-6, atol=1e-7)
+
+
 def test_switch_fallback_equals_static_kinds():
   params = random_params(SHAPES)
   grads = worker_grads(params, 4, 7)

@@ -216,7 +216,7 @@ def scale_by_radius(
     del extra
     _common.axis_context('radius update', axis_name)
     _common.check_per_worker_state('radius update', state.residual_norm)
-    if params is None and weight_decay:
+    if params is None and not _is_zero(weight_decay):
       raise ValueError('radius update: params are required for the weight '
                        f'decay term (weight_decay={weight_decay!r}).')
     plan = RadiusPlan.create(updates, compress, density, index_radius)
@@ -374,18 +374,26 @@ def _exchange_sparse(local, residual, masks, plan: RadiusPlan, axis_name):
   return mean, new_residual
 
 
+def _is_zero(value) -> bool:
+  """None or a static 0; False for a traced value (optax.inject_hyperparams
+  passes hyperparameters as arrays)."""
+  return value is None or (not isinstance(value, jax.Array) and value == 0)
+
+
 def _clip(grads, clip_norm):
   """optax.clip_by_global_norm's arithmetic; None or 0 disables it."""
-  if not clip_norm:
+  if _is_zero(clip_norm):
     return grads
   clipped, _ = optax.clip_by_global_norm(clip_norm).update(
       grads, optax.EmptyState())
+  if isinstance(clip_norm, jax.Array):  # injected: 0 still disables it
+    clipped = [jnp.where(clip_norm > 0, c, g) for c, g in zip(clipped, grads)]
   return clipped
 
 
 def _add_weight_decay(direction, params, plan, decay, weight_decay):
   """Algorithm 2, line 5: the AdamW direction plus `weight_decay * w`."""
-  if not weight_decay:
+  if _is_zero(weight_decay):
     return list(direction)
   return [d + weight_decay * w if flag else d
           for d, w, flag in zip(direction, plan.treedef.flatten_up_to(params),
