@@ -178,6 +178,25 @@ def check_per_worker_state(where: str, norm: jax.Array) -> None:
         'in_specs=scape_jax.state_partition_specs(state).')
 
 
+def passes_empty_trees(update_fn: Callable) -> Callable:
+  """`update_fn` that returns a tree with no array leaves, and the state,
+  unchanged.
+
+  `optax.masked` and `optax.multi_transform` hand a transformation only
+  `MaskedNode`s when no parameter is selected for it, and optax's own
+  transformations then do nothing. So do the methods here: no collective is
+  issued, and every worker sees the same empty tree.
+  """
+
+  @functools.wraps(update_fn)
+  def wrapped(updates, state, params=None, **extra_args):
+    if not jax.tree.leaves(updates):
+      return updates, state
+    return update_fn(updates, state, params, **extra_args)
+
+  return wrapped
+
+
 def at_density_level(step: Callable[[int], Any], density_level,
                      levels: Sequence[float], scheduled_level):
   """`step(level)` at the trainer's static `density_level` if given, else at

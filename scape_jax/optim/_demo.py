@@ -293,7 +293,8 @@ def scale_by_demo(
         momentum_norm=vary(jnp.sqrt(norm_sq)[None]))
     return treedef.unflatten(direction), new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformation(
+      init_fn, _common.passes_empty_trees(update_fn))
 
 
 # ----------------------------------------------------------------------------

@@ -226,7 +226,8 @@ def scale_by_radius(
                              hyper=hyper, adam=adam, decay=decay)
     return _at_step_kind(step, step_kind, schedule.kind_index(state.count))
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(
+      init_fn, _common.passes_empty_trees(update_fn))
 
 
 def _configure(density, interval, threshold, index_radius, select, *, b1, b2,

@@ -72,7 +72,7 @@ class CompressionPlan:
              num_workers: int) -> 'CompressionPlan':
     leaves, treedef = jax.tree.flatten(params)
     if compress is None:
-      flags = [p.ndim >= 2 for p in leaves]
+      flags = [p.ndim >= 2 and p.size > 0 for p in leaves]
     else:
       tree = compress(params) if callable(compress) else compress
       try:
@@ -90,6 +90,9 @@ class CompressionPlan:
       if bool(flag) and p.ndim == 0:
         raise ValueError('scape: a scalar leaf cannot be compressed; mark it '
                          'False in compress.')
+      if bool(flag) and p.size == 0:
+        raise ValueError(f'scape: a leaf of shape {p.shape} has no elements '
+                         'to compress; mark it False in compress.')
       layouts.append(masks.LeafLayout.create(p.size, num_workers)
                      if bool(flag) else None)
     return cls(treedef, tuple(p.shape for p in leaves), tuple(layouts),
@@ -185,7 +188,8 @@ def scale_by_scape(
         step, density_level, schedule.levels, schedule.level(state.count))
     return direction, _memory.like(new_state, state)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(
+      init_fn, _common.passes_empty_trees(update_fn))
 
 
 def _configure(density, density_warmup_steps: int, *, b1, b2, eps, clip_norm,

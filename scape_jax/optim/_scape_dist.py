@@ -132,7 +132,8 @@ def scale_by_scape_dist(
         step, density_level, schedule.levels, schedule.level(state.count))
     return direction, _memory.like(new_state, state)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(
+      init_fn, _common.passes_empty_trees(update_fn))
 
 
 def _check_chunking(plan: CompressionPlan, state, n: int, axis_name) -> None:
