@@ -220,6 +220,29 @@ def test_an_algorithm_1_checkpoint_resumes_in_the_distributed_mode(
   assert isinstance(state['opt'][0], scape_jax.ScaleByScapeDistState)
 
 
+def test_a_damaged_newest_checkpoint_of_the_other_mode_is_set_aside(
+    corpus, plain, tmp_path):
+  """Converting modes falls back past a corrupt checkpoint as a plain resume
+  does (the conversion re-raised it as a mismatch: exit 2, nothing moved)."""
+  plain_dir, straight = plain
+  out = tmp_path / 'dist'
+  shutil.copytree(plain_dir / 'ckpt', out / 'ckpt')
+  data = [os.path.join(root, f)
+          for root, _, names in os.walk(out / 'ckpt' / '4')
+          for f in names if os.path.basename(root) == 'd']
+  path = max(data, key=os.path.getsize)
+  with open(path, 'r+b') as f:
+    f.seek(os.path.getsize(path) // 2)
+    byte = f.read(1)
+    f.seek(-1, os.SEEK_CUR)
+    f.write(bytes([byte[0] ^ 0x5A]))
+  resumed = trainer.train(_cfg(corpus, out, False,
+                               '--config.optimizer.scape.distributed=true'))
+  assert resumed['start_step'] == 2
+  assert resumed['losses'][0] == straight['losses'][2]
+  assert (tmp_path / 'dist' / 'ckpt.corrupt' / '4').is_dir()
+
+
 def test_offload_to_a_missing_kind_is_a_config_error(corpus, tmp_path):
   cfg = _cfg(corpus, tmp_path, True,
              '--config.optimizer.scape.offload_kind=hbm_far')

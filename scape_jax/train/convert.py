@@ -16,7 +16,8 @@ import jax
 from scape_jax.optim import _memory
 from scape_jax.optim import _scape
 from scape_jax.optim import _scape_dist
-from scape_jax.train.checkpoint import CheckpointError, Checkpointer
+from scape_jax.train.checkpoint import (CheckpointError, Checkpointer,
+                                        CorruptCheckpointError)
 
 
 def _is_scape_state(x) -> bool:
@@ -64,6 +65,8 @@ def restore_other_mode(program, ckpt: Checkpointer, step: int,
   saved_as = f'optimizer.scape.distributed={not to_dist}'
   try:
     state, extras = ckpt.restore(step, target)
+  except CorruptCheckpointError:
+    raise  # of the other mode but damaged: resume falls back to an older one
   except CheckpointError as e:
     raise CheckpointError(
         f'{error}\nIt is not a checkpoint of {saved_as} either (which would '
