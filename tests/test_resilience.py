@@ -398,3 +398,62 @@ def test_resume_falls_back_checks_config_and_keeps_metrics_unique(
   assert extras['config_history'] == [  # safe changes are recorded too
       {'step': 2, 'changes': {'ckpt_every': [1, 0], 'steps': [3, 5]}}]
   assert json.dumps(extras)  # recorded as plain JSON
+
+
+def test_a_checkpoint_is_saved_only_after_its_steps_are_logged(
+    corpus, tmp_path, monkeypatch):
+  """ckpt_every not a multiple of log_every: a resume from any checkpoint
+  must find every earlier step in metrics.jsonl (it starts after them)."""
+  logged_at_save = []
+  save = checkpoint.Checkpointer.save
+
+  def spy(self, step, *args, **kwargs):
+    logged_at_save.append((step, [r['step'] for r in _train_records(
+        tmp_path)]))
+    return save(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(checkpoint.Checkpointer, 'save', spy)
+  trainer.train(_cfg(corpus, tmp_path, '--config.steps=6',
+                     '--config.ckpt_every=2', '--config.log_every=5'))
+  assert logged_at_save == [(s, list(range(1, s + 1))) for s in (2, 4, 6)]
+
+
+def test_a_signal_after_the_last_step_still_saves_the_run(
+    corpus, tmp_path, monkeypatch):
+  """SIGTERM while the final checkpoint is written (ckpt_every=0, as in the
+  demo) is held like one during the steps: the run finishes and saves. It
+  reached the process's own handler before, which kills: nothing saved."""
+  import signal  # pylint: disable=g-import-not-at-top
+  leaked = []
+  previous = signal.signal(signal.SIGTERM, lambda s, f: leaked.append(s))
+  close = checkpoint.Checkpointer.close
+
+  def signalled_close(self):
+    signal.raise_signal(signal.SIGTERM)
+    return close(self)
+
+  monkeypatch.setattr(checkpoint.Checkpointer, 'close', signalled_close)
+  try:
+    run = trainer.train(_cfg(corpus, tmp_path, '--config.steps=3',
+                             '--config.ckpt_every=0'))
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  assert not leaked
+  assert run['start_step'] == 0 and len(run['losses']) == 3
+  assert checkpoint.Checkpointer(str(tmp_path / 'ckpt')).all_steps() == [3]
+
+
+def test_rerunning_a_finished_run_logs_nothing_twice(corpus, tmp_path):
+  cfg = _cfg(corpus, tmp_path, '--config.steps=3', '--config.ckpt_every=0')
+  first = trainer.train(cfg)
+  again = trainer.train(cfg)
+  assert again['start_step'] == 3 and again['eval_loss'] == first['eval_loss']
+  records = read_jsonl(str(tmp_path / 'metrics.jsonl'))
+  assert [(r['step'], r['split']) for r in records] == [
+      (1, 'train'), (2, 'train'), (3, 'train'), (3, 'eval')]
+  # A final eval lost after the final save is written on the rerun.
+  with open(tmp_path / 'metrics.jsonl', 'w') as f:
+    f.writelines(json.dumps(r) + '\n' for r in records[:3])
+  trainer.train(cfg)
+  records = read_jsonl(str(tmp_path / 'metrics.jsonl'))
+  assert [r['split'] for r in records] == ['train'] * 3 + ['eval']

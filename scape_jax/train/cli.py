@@ -12,7 +12,8 @@ Open MPI, TPU pods, JAX_COORDINATOR_ADDRESS) with --distributed.
 Running the same command again resumes from the newest checkpoint in out_dir.
 Exit codes: 0 done; 2 a mistake in the config, the data or a checkpoint (the
 message says which); 3 training diverged (max_bad_steps non-finite steps in a
-row); 128 + N stopped by signal N after saving (143 SIGTERM, 130 SIGINT).
+row); 128 + N stopped by signal N after saving (143 SIGTERM, 130 SIGINT);
+a signal after the last step lets the run finish and save (0).
 """
 
 import argparse

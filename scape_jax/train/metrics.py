@@ -35,7 +35,9 @@ class MetricsLogger:
   Create it with `enabled=False` on processes other than 0: it then writes
   nothing and creates no files. A run that resumes at step `start` passes
   `start`: the records of later steps, written before the run was cut off and
-  about to be written again, are dropped first (TensorBoard: `purge_step`).
+  about to be written again, are dropped first (TensorBoard: `purge_step`),
+  and a record of step `start` itself is not written twice (rerunning a
+  finished run evaluates its last step again).
   """
 
   def __init__(self, out_dir: str, *, enabled: bool = True,
@@ -45,11 +47,12 @@ class MetricsLogger:
     self.path = os.path.join(out_dir, 'metrics.jsonl')
     self._file = None
     self._writer = None
+    self._start, self._logged_at_start = start, set()
     if not enabled:
       return
     os.makedirs(out_dir, exist_ok=True)
     if start is not None and os.path.exists(self.path):
-      _truncate_after(self.path, start)
+      self._logged_at_start = _truncate_after(self.path, start)
     self._file = open(self.path, 'a', encoding='utf-8')
     if tensorboard:
       import tensorboardX  # pylint: disable=g-import-not-at-top
@@ -62,6 +65,8 @@ class MetricsLogger:
     """Records scalar `metrics` (floats, numpy/jax scalars) at `step`."""
     if not self.enabled:
       return
+    if step == self._start and prefix in self._logged_at_start:
+      return  # already in the file, from before the resume
     reserved = {'step', 'split'} & set(metrics)
     if reserved:
       raise ValueError(f'metric names {sorted(reserved)} are reserved')
@@ -117,21 +122,26 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
   return records
 
 
-def _truncate_after(path: str, step: int) -> None:
-  """Keeps the lines of `path` whose step is <= `step` (atomic rewrite)."""
+def _truncate_after(path: str, step: int) -> set:
+  """Keeps the lines of `path` whose step is <= `step` (atomic rewrite);
+  returns the splits that have a record at `step`."""
   with open(path, encoding='utf-8') as f:
     lines = f.read().split('\n')
-  kept = []
+  kept, at_step = [], set()
   for line in lines:
     try:
-      if line.strip() and json.loads(line)['step'] <= step:
+      record = json.loads(line) if line.strip() else {'step': step + 1}
+      if record['step'] <= step:
         kept.append(line + '\n')
+      if record['step'] == step:
+        at_step.add(record.get('split'))
     except (json.JSONDecodeError, KeyError, TypeError):
       pass  # a half-written line of the run that was cut off
   tmp = f'{path}.tmp'
   with open(tmp, 'w', encoding='utf-8') as f:
     f.writelines(kept)
   os.replace(tmp, path)
+  return at_step
 
 
 def plot_loss(metrics_jsonl: str, png_path: str, *, log_y: bool = False,

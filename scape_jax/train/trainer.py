@@ -266,12 +266,16 @@ def train(cfg: config_lib.Config, devices=None, *,
   programs.compile_all(start, cfg.steps)  # compile every program before timing
   if leader:
     _print_collectives(programs, start, cfg.steps)
-  try:
-    last_eval = _loop(cfg, program, programs, feed, reporter, resumed,
-                      _Saver(cfg, ckpt, feed, resumed.config_history))
-  finally:
-    ckpt.close()
-    reporter.close()
+  # A signal after the last step (final eval, the wait for the last save)
+  # is held too: the run finishes and saves; a second one kills at once.
+  with preemption.StopSignals() as signals:
+    try:
+      last_eval = _loop(cfg, program, programs, feed, reporter, resumed,
+                        _Saver(cfg, ckpt, feed, resumed.config_history),
+                        signals)
+    finally:
+      ckpt.close()
+      reporter.close()
   return _summarize(cfg, reporter, start, last_eval)
 
 
@@ -289,8 +293,8 @@ def _print_collectives(programs: StepPrograms, start: int, end: int) -> None:
 
 
 def _loop(cfg, program: Program, programs: StepPrograms, feed: _DataFeed,
-          reporter: _Reporter, resumed: resume.Resumed,
-          save: _Saver) -> float:
+          reporter: _Reporter, resumed: resume.Resumed, save: _Saver,
+          signals: preemption.StopSignals) -> float:
   """Steps `resumed.start`..`cfg.steps`; returns the last eval loss."""
   params, opt_state = resumed.params, resumed.opt_state
   evaluate = step_lib.make_eval_step(program.apply_fn, program.layout)
@@ -302,36 +306,35 @@ def _loop(cfg, program: Program, programs: StepPrograms, feed: _DataFeed,
   in_flight = guard.InFlightSteps(cfg.max_bad_steps, on_skip=reporter.skipped)
   last_eval = None
   reporter.restart_clock()
-  with preemption.StopSignals() as signals:
-    for step in range(resumed.start, cfg.steps):
-      fn, nbytes = programs(step)
-      params, opt_state, metrics = fn(params, opt_state, feed.next())
-      done = step + 1
-      # Copies: the next step donates (and deletes) the state's buffers.
-      stats = jax.tree.map(jnp.copy, program.method.stats(opt_state))
-      reporter.record(done, dict(metrics, comm_bytes=nbytes, **stats))
-      try:
-        in_flight.push(done, metrics)
-        signum = signals.requested()
-        saving = _checkpoint_due(cfg, done) or signum is not None
-        if saving:
-          in_flight.drain()  # a checkpoint only of steps known finite
-      except guard.DivergedError:
-        reporter.flush()
-        raise
-      reporter.skipped_steps = in_flight.skipped
-      if done % cfg.log_every == 0 or done == cfg.steps or signum:
-        reporter.flush()
-      if cfg.eval_every and done % cfg.eval_every == 0:
-        last_eval = eval_loss()
-        reporter.eval(done, last_eval)
+  for step in range(resumed.start, cfg.steps):
+    fn, nbytes = programs(step)
+    params, opt_state, metrics = fn(params, opt_state, feed.next())
+    done = step + 1
+    # Copies: the next step donates (and deletes) the state's buffers.
+    stats = jax.tree.map(jnp.copy, program.method.stats(opt_state))
+    reporter.record(done, dict(metrics, comm_bytes=nbytes, **stats))
+    try:
+      in_flight.push(done, metrics)
+      signum = signals.requested()
+      saving = _checkpoint_due(cfg, done) or signum is not None
       if saving:
-        save(done, params, opt_state)
-      if signum and done < cfg.steps:
-        raise preemption.Interrupted(signum, done, (
-            f'{preemption.name(signum)} received: stopped after step {done} '
-            f'and saved {save.directory}/{done}; run the same command to '
-            'resume from there'))
+        in_flight.drain()  # a checkpoint only of steps known finite
+    except guard.DivergedError:
+      reporter.flush()
+      raise
+    reporter.skipped_steps = in_flight.skipped
+    if done % cfg.log_every == 0 or done == cfg.steps or saving:
+      reporter.flush()  # before a save: a resume starts after its lines
+    if cfg.eval_every and done % cfg.eval_every == 0:
+      last_eval = eval_loss()
+      reporter.eval(done, last_eval)
+    if saving:
+      save(done, params, opt_state)
+    if signum and done < cfg.steps:
+      raise preemption.Interrupted(signum, done, (
+          f'{preemption.name(signum)} received: stopped after step {done} '
+          f'and saved {save.directory}/{done}; run the same command to '
+          'resume from there'))
   if last_eval is None or (cfg.eval_every and cfg.steps % cfg.eval_every):
     last_eval = eval_loss()
     reporter.eval(cfg.steps, last_eval)
