@@ -1,10 +1,12 @@
 """The self-exchanging methods inside optax's combinators, and trees with
 nothing to compress, against optax's own behaviour there."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import scape_jax
 from tests.mesh_runner import MeshRunner, random_params, worker_grads
@@ -55,3 +57,53 @@ def test_a_leaf_with_no_elements_stays_dense(name):
   with pytest.raises(ValueError, match=r'shape \(0, 4\) has no elements'):
     make(1e-2, density=0.25, axis_name=None,
          compress={'w': True, 'z': True}).init(params)
+
+
+@pytest.mark.parametrize('make, name', [
+    (lambda: optax.inject_hyperparams(scape_jax.scape)(
+        learning_rate=1e-2, density=0.25, axis_name=None), 'density'),
+    (lambda: optax.inject_hyperparams(scape_jax.demo)(
+        learning_rate=1e-2, axis_name=None), 'chunk'),
+], ids=['scape', 'demo'])
+def test_inject_hyperparams_names_the_argument_to_make_static(make, name):
+  """A shape-fixing argument injected as an array names itself and
+  static_args (it was a bare TracerBoolConversionError, or 'chunk=Array(64)
+  must be an integer >= 1')."""
+  params = {'w': jnp.ones((16, 8))}
+  tx = make()
+  with pytest.raises(ValueError, match=rf"list '{name}'.* in static_args"):
+    tx.update(params, tx.init(params), params)
+
+
+def test_density_warmup_steps_must_be_an_integer():
+  with pytest.raises(ValueError, match=r'density_warmup_steps=2.5 must be an '
+                     r'integer >= 0'):
+    scape_jax.scape(1e-2, density=0.1, density_warmup_steps=2.5)
+
+
+def test_a_tuple_of_mesh_axes_is_one_flat_axis():
+  """init_sharded over ('replica', 'data') of a 2x4 mesh, then 3 steps in
+  shard_map: the same run as 8 workers on one 'data' axis, bit for bit
+  (init_sharded said the tuple was not an axis of the mesh)."""
+  axes = ('replica', 'data')
+  params = random_params({'w': (16, 8), 'b': (8,)})
+  grads = worker_grads(params, 8, 3)
+  flat = MeshRunner(scape_jax.scape(1e-2, density=0.25), params, 8)
+  tx = scape_jax.scape(1e-2, density=0.25, axis_name=axes)
+  mesh = jax.make_mesh((2, 4), axes, devices=jax.devices()[:8])
+  state, specs = scape_jax.init_sharded(tx, params, mesh, axis_name=axes)
+
+  def step(p, s, g):
+    u, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p)
+    return optax.apply_updates(p, u), s
+
+  step = jax.jit(jax.shard_map(step, mesh=mesh,
+                               in_specs=(P(), specs, P(axes)),
+                               out_specs=(P(), specs)))
+  p = scape_jax.place(params, mesh)
+  for g in grads:
+    flat.step(g)
+    p, state = step(p, state, scape_jax.place(g, mesh, P(axes)))
+  for k in params:
+    np.testing.assert_array_equal(np.asarray(p[k]),
+                                  np.asarray(flat.params[k]))

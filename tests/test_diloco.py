@@ -235,10 +235,25 @@ def test_single_process_use_without_shard_map():
     (dict(sync_every=2, outer_momentum=1.0), r'outer_momentum=1.0 must be in'),
     (dict(sync_every=2, outer_lr=-1.0), r'outer_lr=-1.0 must be >= 0'),
     (dict(sync_every=2, lazy_steps=3), r'lazy_steps=3 needs the lazy-start'),
+    (dict(sync_every=2.0), r'sync_every=2.0 must be an integer >= 1'),
 ])
 def test_bad_diloco_arguments(kwargs, message):
   with pytest.raises(ValueError, match=message):
     outer.diloco(optax.sgd(0.1), **kwargs)
+
+
+def test_numpy_integers_are_integers():
+  """sync_every=np.int64(4) (e.g. from a NumPy sweep) is 4, not an error."""
+  schedule = outer.SyncSchedule(np.int64(4), np.int32(2))
+  assert schedule == outer.SyncSchedule(4, 2)
+  assert type(schedule.sync_every) is int
+  outer.diloco(optax.sgd(0.1), np.int64(4))
+
+
+def test_pier_names_a_bad_total_steps():
+  with pytest.raises(ValueError, match=r'pier: total_steps=-10 must be an '
+                     r'integer >= 1 \(T, the steps of the run\)'):
+    outer.pier(optax.sgd(0.1), optax.sgd(0.1), -10, 4)
 
 
 @pytest.mark.parametrize('p', [-0.1, 1.0, 1.5])

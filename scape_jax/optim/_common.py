@@ -74,9 +74,23 @@ def check_non_negative(where: str, name: str, value: float) -> None:
   _check(where, name, value, lambda x: x >= 0.0, 'finite and >= 0')
 
 
+def check_static(where: str, name: str, value) -> None:
+  """Raises ValueError if `value` is an array: it fixes shapes or programs.
+
+  `optax.inject_hyperparams` turns every numeric argument into an array
+  unless it is listed in `static_args`.
+  """
+  if isinstance(value, jax.Array):
+    raise ValueError(
+        f'{where}: {name} must be a Python number, got an array '
+        f'{jax.typeof(value)}: it fixes shapes or compiled programs. With '
+        f'optax.inject_hyperparams, list {name!r} in static_args.')
+
+
 def check_int(where: str, name: str, value, low: int,
               high: Optional[int] = None, why: str = '') -> None:
   """Raises ValueError unless `value` is an integer in [low, high]."""
+  check_static(where, name, value)
   ok = (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
         and value >= low and (high is None or value <= high))
   if not ok:
@@ -133,7 +147,7 @@ def leaf_flags(where: str, name: str, params, tree_or_fn: MaskOrFn,
   return [bool(f) for f in flags]
 
 
-def axis_context(where: str, axis_name: Optional[str]) -> tuple:
+def axis_context(where: str, axis_name: Union[None, str, tuple]) -> tuple:
   """(N, local) for an optimizer that exchanges over `axis_name`.
 
   `local` means a bound axis (inside `shard_map`) or no axis: per-worker
@@ -143,7 +157,8 @@ def axis_context(where: str, axis_name: Optional[str]) -> tuple:
 
   Args:
     where: the caller ('radius init', ...), for error messages.
-    axis_name: the data-parallel mesh axis, or None for a single worker.
+    axis_name: the data-parallel mesh axis (or a tuple of axes, flattened),
+      or None for a single worker.
   """
   if axis_name is None:
     return 1, True
@@ -152,9 +167,10 @@ def axis_context(where: str, axis_name: Optional[str]) -> tuple:
   except NameError:
     pass
   mesh = jax.sharding.get_abstract_mesh()
-  if (where.endswith('init') and not mesh.empty and
-      axis_name in mesh.axis_names):
-    return mesh.shape[axis_name], False
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if (where.endswith('init') and not mesh.empty and names and
+      all(n in mesh.axis_names for n in names)):
+    return math.prod(mesh.shape[n] for n in names), False
   raise ValueError(
       f'{where}: axis_name={axis_name!r} is not bound. Call update inside '
       f'jax.shard_map over a mesh with a {axis_name!r} axis (init also works '

@@ -5,6 +5,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from scape_jax.comm import masks
+from scape_jax.optim import _common
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,9 +23,7 @@ class DensitySchedule:
 
   def __post_init__(self):
     masks.chunk_k(self.density, 1)  # validates density
-    if self.warmup_steps < 0:
-      raise ValueError(
-          f'density_warmup_steps={self.warmup_steps!r} must be >= 0.')
+    _common.check_int('scape', 'density_warmup_steps', self.warmup_steps, 0)
     if not isinstance(self.max_levels, int) or self.max_levels < 2:
       raise ValueError(
           f'max_levels={self.max_levels!r} (optimizer.scape.density_levels) '

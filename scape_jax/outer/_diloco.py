@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import optax
 
 from scape_jax.comm.collectives import varying
+from scape_jax.optim import _common
 from scape_jax.optim._common import ScalarOrSchedule
 from scape_jax.comm.axes import REPLICA
 
@@ -76,13 +77,11 @@ class SyncSchedule:
   momentum_warmup: bool = False
 
   def __post_init__(self):
-    if isinstance(self.sync_every, bool) or not isinstance(
-        self.sync_every, int) or self.sync_every < 1:
-      raise ValueError(f'diloco: sync_every={self.sync_every!r} must be an '
-                       'integer >= 1 (steps between synchronisations).')
-    if not isinstance(self.lazy_steps, int) or self.lazy_steps < 0:
-      raise ValueError(f'diloco: lazy_steps={self.lazy_steps!r} must be an '
-                       'integer >= 0.')
+    _common.check_int('diloco', 'sync_every', self.sync_every, 1,
+                      why=' (steps between synchronisations)')
+    _common.check_int('diloco', 'lazy_steps', self.lazy_steps, 0)
+    for name in ('sync_every', 'lazy_steps'):  # NumPy integers as ints
+      object.__setattr__(self, name, int(getattr(self, name)))
 
   @property
   def phases(self) -> tuple:

@@ -24,6 +24,7 @@ from typing import Optional, Sequence, Union
 import jax.numpy as jnp
 import optax
 
+from scape_jax.optim import _common
 from scape_jax.optim._common import ScalarOrSchedule
 from scape_jax.outer import _diloco
 from scape_jax.comm.axes import REPLICA
@@ -174,6 +175,8 @@ def pier(
   References:
     Fan and Zhang, "Pier", Algorithms 1-2 and Section V.
   """
+  _common.check_int('pier', 'total_steps', total_steps, 1,
+                    why=' (T, the steps of the run)')
   schedule = sync_schedule(total_steps, sync_every, lazy_start,
                            momentum_warmup)
   if outer_momentum is None:

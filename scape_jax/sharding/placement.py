@@ -5,7 +5,7 @@ optimizer state from a bare `tx.init`, or a batch made on the host, is not,
 and the call fails. These helpers put them there.
 """
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import jax
 import optax
@@ -40,7 +40,8 @@ def place(tree: Any, mesh: jax.sharding.Mesh, specs: Any = P()) -> Any:
 
 
 def init_sharded(tx: optax.GradientTransformation, params: Any,
-                 mesh: jax.sharding.Mesh, axis_name: str = DATA, *,
+                 mesh: jax.sharding.Mesh,
+                 axis_name: Union[str, tuple] = DATA, *,
                  param_specs: Optional[Any] = None,
                  offload: Optional[str] = None) -> tuple[Any, Any]:
   """`tx.init(params)` placed on `mesh`, and its PartitionSpecs.
@@ -53,7 +54,8 @@ def init_sharded(tx: optax.GradientTransformation, params: Any,
   Args:
     tx: any optax transformation (SCAPE, AdamS, optax's own).
     params: the parameters (arrays or `jax.ShapeDtypeStruct`s).
-    mesh: the device mesh; `axis_name` must be one of its axes.
+    mesh: the device mesh; `axis_name` must be one of its axes, or a tuple
+      of them (one flat data-parallel axis, as in `jax.shard_map`).
     axis_name: the data-parallel axis.
     param_specs: the parameters' PartitionSpecs if they are not replicated.
     offload: None, or the memory kind ('pinned_host') of the fields a state
@@ -63,9 +65,10 @@ def init_sharded(tx: optax.GradientTransformation, params: Any,
     `(opt_state, specs)`: pass `specs` as the state's `in_specs` and
     `out_specs` of `jax.shard_map`.
   """
-  if axis_name not in mesh.axis_names:
-    raise ValueError(f'axis_name={axis_name!r} is not an axis of the mesh; '
-                     f'its axes: {mesh.axis_names}')
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if not names or any(n not in mesh.axis_names for n in names):
+    raise ValueError(f'axis_name={axis_name!r} is not an axis (or a tuple '
+                     f'of axes) of the mesh; its axes: {mesh.axis_names}')
   with jax.set_mesh(mesh):
     shapes = jax.eval_shape(tx.init, params)
   specs = state_partition_specs(shapes, axis_name, params=params,
