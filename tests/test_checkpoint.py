@@ -1,5 +1,6 @@
 """Tests for scape_jax.checkpoint on the 8-device CPU mesh."""
 
+import json
 import os
 
 import jax
@@ -312,3 +313,15 @@ def test_mismatched_abstract_state(tmp_path, mesh):
   with pytest.raises(checkpoint.CheckpointError,
                      match=r"\['step'\]: in abstract_state"):
     ckpt.restore(5, extra_leaf)
+
+
+@pytest.mark.parametrize('leaves', [[], {'a': 1}, {'a': {'shape': 3}}])
+def test_a_manifest_of_the_wrong_shape_is_corruption(tmp_path, mesh, leaves):
+  """Valid JSON laid out otherwise is damage, not an AttributeError."""
+  ckpt = _saved(tmp_path, mesh)
+  path = tmp_path / 'ckpt' / '5' / 'checksums' / 'metadata'
+  path.write_text(json.dumps(dict(json.loads(path.read_text()),
+                                  leaves=leaves)))
+  with pytest.raises(checkpoint.CorruptCheckpointError,
+                     match='malformed checksum manifest'):
+    ckpt.restore(5, _abstract(_state(mesh)))

@@ -107,3 +107,23 @@ def test_a_tuple_of_mesh_axes_is_one_flat_axis():
   for k in params:
     np.testing.assert_array_equal(np.asarray(p[k]),
                                   np.asarray(flat.params[k]))
+
+
+@pytest.mark.parametrize('name', sorted(_SELF_EXCHANGING))
+def test_sharded_params_are_refused_by_name(name):
+  """A method with per-worker state on fsdp-split parameters: init_sharded
+  names the fields and the spec (the update failed later with 'add got
+  incompatible shapes (16, 8), (8, 8)')."""
+  mesh = jax.make_mesh((4, 2), ('data', 'fsdp'), devices=jax.devices()[:8])
+  params = {'w': jnp.ones((16, 8)), 'b': jnp.ones((8,))}
+  specs = {'w': P('fsdp'), 'b': P()}
+  with pytest.raises(ValueError, match=r"per-worker fields .* needs "
+                     r"replicated parameters; param_specs shards some "
+                     r"\(P\('fsdp',\)\)"):
+    scape_jax.init_sharded(_SELF_EXCHANGING[name](), params, mesh,
+                           param_specs=specs)
+  # Dense AdamS is fine there, and so is a replicated spec.
+  scape_jax.init_sharded(scape_jax.adams(1e-2), params, mesh,
+                         param_specs=specs)
+  scape_jax.init_sharded(_SELF_EXCHANGING[name](), params, mesh,
+                         param_specs={'w': P(), 'b': P()})

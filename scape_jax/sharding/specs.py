@@ -103,6 +103,10 @@ def state_partition_specs(opt_state, axis_name: Optional[str] = DATA, *,
 
   Returns:
     A tree of PartitionSpecs with the structure of `opt_state`.
+
+  Raises:
+    ValueError: `param_specs` shards a parameter and the state has
+      per-worker fields (SCAPE's residual and masks, Radius's, DeMo's).
   """
   ptree = None if params is None else jax.tree.structure(params)
   pshapes = None if params is None else _shapes(params)
@@ -119,12 +123,22 @@ def state_partition_specs(opt_state, axis_name: Optional[str] = DATA, *,
   def is_leaf(node) -> bool:
     return bool(_per_worker(node)) or mirrors_params(node)
 
+  sharded = [s for s in jax.tree.leaves(
+      param_specs, is_leaf=lambda x: isinstance(x, P)) if any(s)]
+
   def specs(node):
     if mirrors_params(node):
       return param_specs
     fields = _per_worker(node)
     if not fields:
       return jax.tree.map(lambda _: P(), node)
+    if sharded:
+      raise ValueError(
+          f'{type(node).__name__} keeps per-worker fields {sorted(fields)} '
+          'shaped like whole parameters, so the method needs replicated '
+          f'parameters; param_specs shards some ({sharded[0]}). Pass '
+          'param_specs=None, or use a dense method (AdamW, AdamS) on '
+          'sharded parameters.')
     return node._replace(**{
         f: jax.tree.map(lambda _: P(axis_name) if f in fields else P(),
                         getattr(node, f)) for f in node._fields})

@@ -153,6 +153,17 @@ def _manifest(state: PyTree, extras: Mapping[str, Any] | None = None
   return manifest, non_finite
 
 
+def _well_formed(manifest: Any) -> bool:
+  """Whether `manifest` has the layout `_manifest` writes (valid JSON of
+  another shape would fail later with an AttributeError)."""
+  keys = {'shape', 'dtype', 'checksum'}
+  leaves = manifest.get('leaves') if isinstance(manifest, dict) else None
+  return isinstance(leaves, dict) and all(
+      isinstance(e, dict) and keys <= e.keys() and
+      (e['shape'] is None or isinstance(e['shape'], list))
+      for e in leaves.values())
+
+
 def _limit(problems: list[str]) -> str:
   more = len(problems) - _MAX_LISTED
   shown = problems[:_MAX_LISTED]
@@ -322,7 +333,7 @@ class Checkpointer:
   def _manifest_of(self, manager, step: int, where: str) -> dict[str, Any]:
     manifest = self._read(manager, step, where,
                           checksums='checksum manifest').checksums
-    if not isinstance(manifest, dict) or 'leaves' not in manifest:
+    if not _well_formed(manifest):
       raise CorruptCheckpointError(f'{where} is corrupt: malformed checksum '
                                    f'manifest {manifest!r:.200}')
     return manifest
