@@ -457,3 +457,24 @@ def test_rerunning_a_finished_run_logs_nothing_twice(corpus, tmp_path):
   trainer.train(cfg)
   records = read_jsonl(str(tmp_path / 'metrics.jsonl'))
   assert [r['split'] for r in records] == ['train'] * 3 + ['eval']
+
+
+def test_a_checkpoint_of_another_mesh_says_so(corpus, tmp_path):
+  """SCAPE's per-worker state saved on 8 workers does not fit 4; the error
+  names both meshes first (it listed shape mismatches only). AdamW, whose
+  state has no per-worker fields, resumes there."""
+  for name in ('scape', 'adamw'):
+    out = tmp_path / name
+    method = (f'--config.optimizer.name={name}',
+              '--config.optimizer.scape.density=0.1')
+    trainer.train(_cfg(corpus, out, '--config.steps=2', *method))
+    later = _cfg(corpus, out, '--config.steps=3', *method)
+    if name == 'adamw':
+      resumed = trainer.train(later, jax.devices()[:4],
+                              allow_config_change=True)
+      assert resumed['start_step'] == 2
+      continue
+    with pytest.raises(checkpoint.CheckpointError, match=(
+        r"ckpt/2 was saved on a mesh of \{.*'data': 8.*\} devices per axis; "
+        r"this run has \{.*'data': 4.*\}")):
+      trainer.train(later, jax.devices()[:4], allow_config_change=True)

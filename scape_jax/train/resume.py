@@ -160,14 +160,31 @@ def _set_aside(ckpt: Checkpointer, skipped: list, start: int,
         f'{start}, the newest checkpoint that verifies')
 
 
-def _restore(program, ckpt: Checkpointer, step: int, target) -> tuple:
-  """`ckpt.restore`, or a SCAPE checkpoint of the other mode converted."""
+def _restore(program, ckpt: Checkpointer, step: int, target,
+             saved_mesh: Optional[dict]) -> tuple:
+  """`ckpt.restore`, or a SCAPE checkpoint of the other mode converted.
+
+  When neither fits and the checkpoint was saved on another mesh, the error
+  says so first."""
   try:
-    return ckpt.restore(step, target)
+    try:
+      return ckpt.restore(step, target)
+    except CorruptCheckpointError:
+      raise
+    except CheckpointError as e:  # saved in the other SCAPE mode?
+      return convert.restore_other_mode(program, ckpt, step, e)
   except CorruptCheckpointError:
     raise
-  except CheckpointError as e:  # saved in the other SCAPE mode?
-    return convert.restore_other_mode(program, ckpt, step, e)
+  except CheckpointError as e:
+    mesh = {str(k): int(v) for k, v in program.mesh.shape.items()}
+    if saved_mesh is None or saved_mesh == mesh:
+      raise
+    raise CheckpointError(
+        f'checkpoint {ckpt.directory}/{step} was saved on a mesh of '
+        f'{saved_mesh} devices per axis; this run has {mesh}. Its optimizer '
+        "state does not fit (a method's per-worker state, such as SCAPE's "
+        'residuals, is split over the workers and cannot be re-split): '
+        f'resume on the same mesh.\n{e}') from e
 
 
 def restore_or_init(cfg: config_lib.Config, program, ckpt: Checkpointer,
@@ -194,7 +211,8 @@ def restore_or_init(cfg: config_lib.Config, program, ckpt: Checkpointer,
       _, extras = ckpt.read_extras(step)
       changes = check_config(extras.get('config', {}), current, where,
                              allow_config_change)
-      state, extras = _restore(program, ckpt, step, target)
+      state, extras = _restore(program, ckpt, step, target,
+                               extras.get('mesh'))
     except CorruptCheckpointError as e:
       skipped.append((step, str(e)))
       continue

@@ -202,9 +202,10 @@ class _Saver:
   """Saves the train state with the data position and the config."""
 
   def __init__(self, cfg: config_lib.Config, ckpt: Checkpointer, feed,
-               config_history: list):
+               config_history: list, mesh: jax.sharding.Mesh):
     self._cfg, self._ckpt, self._feed = cfg, ckpt, feed
     self._history = config_history
+    self._mesh = {str(k): int(v) for k, v in mesh.shape.items()}
 
   @property
   def directory(self) -> str:
@@ -214,7 +215,8 @@ class _Saver:
     self._ckpt.save(step, {'params': params, 'opt': opt_state},
                     {'data': self._feed.iterator.get_state(),
                      'config': config_lib.to_dict(self._cfg),
-                     'config_history': self._history})
+                     'config_history': self._history,
+                     'mesh': self._mesh})
 
 
 def _checkpoint_due(cfg: config_lib.Config, done: int) -> bool:
@@ -271,7 +273,8 @@ def train(cfg: config_lib.Config, devices=None, *,
   with preemption.StopSignals() as signals:
     try:
       last_eval = _loop(cfg, program, programs, feed, reporter, resumed,
-                        _Saver(cfg, ckpt, feed, resumed.config_history),
+                        _Saver(cfg, ckpt, feed, resumed.config_history,
+                               program.mesh),
                         signals)
     finally:
       ckpt.close()
