@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 
 import numpy as np
@@ -312,6 +313,26 @@ def test_set_state_rejects_other_config(synth_dir):
   other = pipeline.train_iterator(synth_dir, seed=1, **kw)
   with pytest.raises(ValueError, match='seed'):
     other.set_state(state)
+
+
+def test_set_state_rejects_another_validation_split(synth_dir, tmp_path):
+  """The same train.bin with another val.bin: the eval losses before and
+  after a resume would not be comparable (it was accepted silently). A
+  state saved before the key existed is not compared on it."""
+  kw = dict(seq_len=8, global_batch_size=4, seed=0)
+  state = pipeline.train_iterator(synth_dir, **kw).get_state()
+  other = str(tmp_path / 'other')
+  shutil.copytree(synth_dir, other)
+  meta = prep.load_meta(other)
+  val = prep.load_split(other, 'val')
+  prep._write_corpus(other, {'train': [prep.load_split(other, 'train')],
+                             'val': [val[::-1]]},
+                     {k: v for k, v in meta.items() if k != 'sha256'})
+  moved = pipeline.train_iterator(other, **kw)
+  with pytest.raises(ValueError, match=r"'val_sha256': \('[0-9a-f]{64}', "
+                     r"'[0-9a-f]{64}'\)"):
+    moved.set_state(state)
+  moved.set_state({k: v for k, v in state.items() if k != 'val_sha256'})
 
 
 @pytest.mark.parametrize('process_count', [2, 4])

@@ -25,6 +25,9 @@ from scape_jax.data import prepare as prepare_lib
 
 Batch = dict[str, np.ndarray]
 _STATE_VERSION = 1
+# Fingerprint keys added after version 1: a state saved without one is not
+# compared on it.
+_ADDED_KEYS = ('val_sha256',)
 _SHUFFLE_ROUNDS = 4
 
 
@@ -113,6 +116,7 @@ class TrainIterator:
       *,
       global_batch_size: int,
       data_sha256: str | None,
+      val_sha256: str | None = None,
       num_threads: int = 2,
       prefetch: int = 4,
   ):
@@ -122,6 +126,9 @@ class TrainIterator:
         'seq_len': sampler.seq_len,
         'global_batch_size': global_batch_size,
         'data_sha256': data_sha256,
+        # The eval batches' split: an edited one would make eval losses
+        # before and after a resume incomparable.
+        'val_sha256': val_sha256,
     }
     # One element per global batch index; far more batches than any run needs.
     ds = grain.MapDataset.range(2**62).map(sampler)
@@ -160,7 +167,7 @@ class TrainIterator:
     diff = {
         k: (state.get(k), v)
         for k, v in self._fingerprint.items()
-        if state.get(k) != v
+        if state.get(k) != v and (k in state or k not in _ADDED_KEYS)
     }
     if diff:
       raise ValueError(
@@ -208,6 +215,7 @@ def train_iterator(
       sampler,
       global_batch_size=global_batch_size,
       data_sha256=meta['sha256'].get('train.bin'),
+      val_sha256=meta['sha256'].get('val.bin'),
   )
 
 
