@@ -128,9 +128,9 @@ def _truncate_after(path: str, step: int) -> set:
   with open(path, encoding='utf-8') as f:
     lines = f.read().split('\n')
   kept, at_step = [], set()
-  for line in lines:
+  for line in filter(str.strip, lines):
     try:
-      record = json.loads(line) if line.strip() else {'step': step + 1}
+      record = json.loads(line)
       if record['step'] <= step:
         kept.append(line + '\n')
       if record['step'] == step:
