@@ -51,11 +51,6 @@ def check_wire_request(mask_encoding: str, offset_bits):
 
 def chunk_k(density: float, chunk: int) -> int:
   """k = ceil(density * chunk), computed exactly on the decimal `density`."""
-  if isinstance(density, jax.Array):
-    raise ValueError(
-        f'density must be a Python number, got an array {jax.typeof(density)}'
-        ': it fixes the payload size. With optax.inject_hyperparams, list '
-        "'density' (and 'density_warmup_steps') in static_args.")
   if not 0.0 < density <= 1.0:
     raise ValueError(f'density={density!r} must be in (0, 1].')
   k = math.ceil(fractions.Fraction(repr(float(density))) * chunk)

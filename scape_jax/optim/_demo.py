@@ -268,6 +268,7 @@ def scale_by_demo(
             lambda p: per_worker(jnp.zeros(p.shape, jnp.float32)), params),
         momentum_norm=per_worker(jnp.zeros([], jnp.float32)))
 
+  @_common.passes_empty_trees
   def update_fn(updates, state, params=None):
     del params
     _common.axis_context('demo update', axis_name)
@@ -293,8 +294,7 @@ def scale_by_demo(
         momentum_norm=vary(jnp.sqrt(norm_sq)[None]))
     return treedef.unflatten(direction), new_state
 
-  return optax.GradientTransformation(
-      init_fn, _common.passes_empty_trees(update_fn))
+  return optax.GradientTransformation(init_fn, update_fn)
 
 
 # ----------------------------------------------------------------------------

@@ -22,6 +22,7 @@ class DensitySchedule:
   max_levels: int = 8
 
   def __post_init__(self):
+    _common.check_static('scape', 'density', self.density)
     masks.chunk_k(self.density, 1)  # validates density
     _common.check_int('scape', 'density_warmup_steps', self.warmup_steps, 0)
     if not isinstance(self.max_levels, int) or self.max_levels < 2:

@@ -212,6 +212,7 @@ def scale_by_radius(
     return _init_state(params, compress, density, index_radius, axis_name,
                        adam)
 
+  @_common.passes_empty_trees
   def update_fn(updates, state, params=None, *, step_kind=None, **extra):
     del extra
     _common.axis_context('radius update', axis_name)
@@ -226,8 +227,7 @@ def scale_by_radius(
                              hyper=hyper, adam=adam, decay=decay)
     return _at_step_kind(step, step_kind, schedule.kind_index(state.count))
 
-  return optax.GradientTransformationExtraArgs(
-      init_fn, _common.passes_empty_trees(update_fn))
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _configure(density, interval, threshold, index_radius, select, *, b1, b2,

@@ -175,21 +175,28 @@ def scale_by_scape(
   def init_fn(params):
     return _init_state(params, compress, axis_name, variant)
 
+  @_common.passes_empty_trees
   def update_fn(updates, state, params=None, *, density_level=None, **extra):
     del params, extra
-    n, _ = _common.axis_context('scape update', axis_name)
-    plan = CompressionPlan.create(updates, compress, n)
-    _common.check_per_worker_state('scape update', state.residual_norm)
-    # Offloaded leaves come to the device here and go back at the end.
-    step = functools.partial(_update_at_level, updates,
-                             _memory.to_device(state), plan=plan,
-                             hyper=hyper, schedule=schedule)
-    direction, new_state = _common.at_density_level(
-        step, density_level, schedule.levels, schedule.level(state.count))
-    return direction, _memory.like(new_state, state)
+    return _update(updates, state, compress, schedule, hyper, density_level)
 
-  return optax.GradientTransformationExtraArgs(
-      init_fn, _common.passes_empty_trees(update_fn))
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _update(updates, state, compress: MaskOrFn, schedule: DensitySchedule,
+            hyper, density_level) -> tuple:
+  """`update_fn`: at the static `density_level`, or the state's level through
+  a `lax.switch`. Offloaded leaves come to the device here and go back at
+  the end."""
+  n, _ = _common.axis_context('scape update', hyper.axis_name)
+  plan = CompressionPlan.create(updates, compress, n)
+  _common.check_per_worker_state('scape update', state.residual_norm)
+  step = functools.partial(_update_at_level, updates,
+                           _memory.to_device(state), plan=plan,
+                           hyper=hyper, schedule=schedule)
+  direction, new_state = _common.at_density_level(
+      step, density_level, schedule.levels, schedule.level(state.count))
+  return direction, _memory.like(new_state, state)
 
 
 def _configure(density, density_warmup_steps: int, *, b1, b2, eps, clip_norm,

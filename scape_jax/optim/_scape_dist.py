@@ -119,6 +119,7 @@ def scale_by_scape_dist(
         density=jnp.ones([], jnp.float32),
         **{f: plan.treedef.unflatten(v) for f, v in fields.items()})
 
+  @_common.passes_empty_trees
   def update_fn(updates, state, params=None, *, density_level=None, **extra):
     del params, extra
     n, _ = _common.axis_context('scape_dist update', axis_name)
@@ -132,8 +133,7 @@ def scale_by_scape_dist(
         step, density_level, schedule.levels, schedule.level(state.count))
     return direction, _memory.like(new_state, state)
 
-  return optax.GradientTransformationExtraArgs(
-      init_fn, _common.passes_empty_trees(update_fn))
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _check_chunking(plan: CompressionPlan, state, n: int, axis_name) -> None:

@@ -22,6 +22,8 @@ compared with the current one, key by key (`config_changes`):
 import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
+import jax
+
 from scape_jax.train import config as config_lib
 from scape_jax.train import methods
 from scape_jax.train import convert
@@ -160,6 +162,11 @@ def _set_aside(ckpt: Checkpointer, skipped: list, start: int,
         f'{start}, the newest checkpoint that verifies')
 
 
+def mesh_sizes(mesh: jax.sharding.Mesh) -> dict:
+  """The mesh's axis sizes as the checkpoint extras record them (JSON)."""
+  return {str(k): int(v) for k, v in mesh.shape.items()}
+
+
 def _restore(program, ckpt: Checkpointer, step: int, target,
              saved_mesh: Optional[dict]) -> tuple:
   """`ckpt.restore`, or a SCAPE checkpoint of the other mode converted.
@@ -176,7 +183,7 @@ def _restore(program, ckpt: Checkpointer, step: int, target,
   except CorruptCheckpointError:
     raise
   except CheckpointError as e:
-    mesh = {str(k): int(v) for k, v in program.mesh.shape.items()}
+    mesh = mesh_sizes(program.mesh)
     if saved_mesh is None or saved_mesh == mesh:
       raise
     raise CheckpointError(

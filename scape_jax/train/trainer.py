@@ -205,7 +205,7 @@ class _Saver:
                config_history: list, mesh: jax.sharding.Mesh):
     self._cfg, self._ckpt, self._feed = cfg, ckpt, feed
     self._history = config_history
-    self._mesh = {str(k): int(v) for k, v in mesh.shape.items()}
+    self._mesh = resume.mesh_sizes(mesh)
 
   @property
   def directory(self) -> str:
