@@ -185,13 +185,20 @@ def scale_by_scape(
 
 def _update(updates, state, compress: MaskOrFn, schedule: DensitySchedule,
             hyper, density_level) -> tuple:
-  """`update_fn`: at the static `density_level`, or the state's level through
-  a `lax.switch`. Offloaded leaves come to the device here and go back at
-  the end."""
+  """`update_fn`'s checks, then `at_level`."""
   n, _ = _common.axis_context('scape update', hyper.axis_name)
   plan = CompressionPlan.create(updates, compress, n)
   _common.check_per_worker_state('scape update', state.residual_norm)
-  step = functools.partial(_update_at_level, updates,
+  return at_level(_update_at_level, updates, state, plan, hyper, schedule,
+                  density_level)
+
+
+def at_level(update_at_level, updates, state, plan: CompressionPlan, hyper,
+             schedule: DensitySchedule, density_level) -> tuple:
+  """`update_at_level` (SCAPE's or Algorithm 2's) at the static
+  `density_level`, else at the state's level through a `lax.switch`, with
+  offloaded state leaves on the device in between."""
+  step = functools.partial(update_at_level, updates,
                            _memory.to_device(state), plan=plan,
                            hyper=hyper, schedule=schedule)
   direction, new_state = _common.at_density_level(

@@ -37,7 +37,6 @@ from scape_jax.comm import topk
 from scape_jax.comm.axes import DATA
 from scape_jax.comm.collectives import all_gather_invariant, varying
 from scape_jax.optim import _common
-from scape_jax.optim import _memory
 from scape_jax.optim import _scape
 from scape_jax.optim._common import MaskOrFn, ScalarOrSchedule
 from scape_jax.optim._scape import CompressionPlan, DensitySchedule
@@ -126,12 +125,8 @@ def scale_by_scape_dist(
     plan = CompressionPlan.create(updates, compress, n)
     _check_chunking(plan, state, n, axis_name)
     _common.check_per_worker_state('scape_dist update', state.residual_norm)
-    step = functools.partial(_update_at_level, updates,
-                             _memory.to_device(state), plan=plan,
-                             hyper=hyper, schedule=schedule)
-    direction, new_state = _common.at_density_level(
-        step, density_level, schedule.levels, schedule.level(state.count))
-    return direction, _memory.like(new_state, state)
+    return _scape.at_level(_update_at_level, updates, state, plan, hyper,
+                           schedule, density_level)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
