@@ -279,7 +279,12 @@ def bench_tree(name: str, densities, repeats=None, number=None,
   repeats = repeats or (21 if small else 5)
   number = number or (20 if small else 1)
   table = methods(densities, selects, radius)
-  prepared = {label: prepare(m, params, grads) for label, m in table.items()}
+  prepared = {}
+  for label, m in table.items():
+    prepared[label] = prepare(m, params, grads)
+    # Progress, so that a run stopped at a time limit says where it was.
+    print(f'  {name} {label}: compiled and warmed up in '
+          f'{prepared[label].compile_s:.1f} s', file=sys.stderr, flush=True)
   if donate:
     table.update({label + DONATED: m for label, m in list(table.items())})
     prepared.update({label: prepare(table[label], params, grads, True)
@@ -382,7 +387,7 @@ def main(argv=None):
                  choices=topk.SELECTS,
                  help="SCAPE's select values to time (default: auto; 'sort' "
                  "is lax.top_k, slow at N=1; 'pallas' interprets on CPU; "
-                 "'radix' is the loop-free search)")
+                 "'radix' and 'pallas_radix' are the loop-free search)")
   p.add_argument('--donate', action='store_true',
                  help='also time every update with its state donated, as '
                  "the trainer's step runs it (rows '... (state donated)')")

@@ -8,6 +8,11 @@ section 2).
 
   python bench/select_crossover.py
   python bench/select_crossover.py --selects sort threshold radix
+  JAX_PLATFORMS=cuda python bench/select_crossover.py --selects sort radix \
+      pallas_radix --chunks 1179648 6291456 12288000 --widths 100 10
+
+Each line is printed as soon as it is measured, with each select's compile
+time (the first call, which also runs it once) after its median.
 """
 
 import argparse
@@ -28,14 +33,17 @@ from scape_jax.comm import topk  # noqa: E402
 CHUNKS = (16384, 73728, 589824, 786432, 3145728)
 
 
-def median_ms(fn, x, repeats: int = 7) -> float:
+def median_ms(fn, x, repeats: int = 7) -> tuple:
+  """(median ms of `repeats` calls, ms of the first call)."""
+  start = time.perf_counter()
   fn(x).block_until_ready()
+  first = time.perf_counter() - start
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
     fn(x).block_until_ready()
     times.append(time.perf_counter() - start)
-  return float(np.median(times)) * 1e3
+  return float(np.median(times)) * 1e3, first * 1e3
 
 
 def main() -> None:
@@ -44,22 +52,37 @@ def main() -> None:
                  choices=[s for s in topk.SELECTS if s != 'auto'],
                  help='the selects to time; the ratio column is the first '
                  'over the second')
-  selects = p.parse_args().selects
+  p.add_argument('--chunks', nargs='+', type=int, default=list(CHUNKS),
+                 help='chunk sizes c (default: %(default)s)')
+  p.add_argument('--widths', nargs='+', type=int, default=[1000, 100, 32, 10],
+                 help='k = c // w for each w (default: %(default)s)')
+  args = p.parse_args()
+  selects = args.selects
+  bad = [v for v in args.chunks + args.widths if v < 1]
+  if bad:
+    p.error(f'--chunks and --widths must be positive integers, got {bad}.')
   if len(selects) < 2:
     p.error('--selects: name at least two selects to compare.')
   print(f'jax {jax.__version__} on {jax.default_backend()}; '
         f'AUTO_SORT_MAX_WIDTH={topk.AUTO_SORT_MAX_WIDTH}')
-  print('| chunk c | width k | ' + ' | '.join(f'{s} ms' for s in selects)
-        + f' | {selects[0]} / {selects[1]} | auto takes |')
-  print('|---|---|' + '---|' * (len(selects) + 2))
-  for c in CHUNKS:
+  print('| chunk c | width k | ' + ' | '.join(f'{s} ms (first call)'
+                                              for s in selects)
+        + f' | {selects[0]} / {selects[1]} | auto takes |', flush=True)
+  print('|---|---|' + '---|' * (len(selects) + 2), flush=True)
+  for c in args.chunks:
     x = jax.random.normal(jax.random.key(0), (c,))
-    for k in (c // 1000, c // 100, c // 32, c // 10):
-      ms = [median_ms(jax.jit(lambda v, s=s, k=k, c=c: topk.chunk_topk_words(
-          v, c, k, k, select=s)), x) for s in selects]
+    for k in [max(c // w, 1) for w in args.widths]:
+      ms = []
+      for s in selects:
+        ms.append(median_ms(jax.jit(lambda v, s=s, k=k, c=c:
+                                    topk.chunk_topk_words(v, c, k, k,
+                                                          select=s)), x))
+        print(f'  c={c} k={k} {s}: {ms[-1][0]:.3f} ms (first call '
+              f'{ms[-1][1]:.0f} ms)', file=sys.stderr, flush=True)
       auto = topk.auto_select(topk.backend_platform(), k)
-      print(f'| {c:,} | {k:,} | ' + ' | '.join(f'{t:.3f}' for t in ms)
-            + f' | {ms[0] / ms[1]:.2f} | {auto} |', flush=True)
+      print(f'| {c:,} | {k:,} | ' + ' | '.join(
+          f'{t:.3f} ({f:.0f})' for t, f in ms)
+            + f' | {ms[0][0] / ms[1][0]:.2f} | {auto} |', flush=True)
 
 
 if __name__ == '__main__':

@@ -118,7 +118,7 @@ def test_nan_and_inf_rank_above_every_finite_value():
     expected = np.zeros(32, bool)
     expected[order[:k]] = True
     expected = np.packbits(expected, bitorder='little').view('<u4')
-    for select in ('sort', 'threshold', 'pallas', 'radix'):
+    for select in ('sort', 'threshold', 'pallas', 'radix', 'pallas_radix'):
       got = _selector(select)(jnp.asarray(x), jnp.int32(8), jnp.int32(k))
       np.testing.assert_array_equal(np.asarray(got), expected,
                                     err_msg=f'{select} k={k}')
@@ -156,6 +156,20 @@ def test_pallas_select_equals_threshold(kind):
       np.testing.assert_array_equal(
           np.asarray(_selector('pallas')(*args)),
           np.asarray(_selector('threshold')(*args)))
+
+
+@pytest.mark.parametrize('kind', ['equal', 'quantised', 'denormal'])
+def test_pallas_radix_equals_radix_and_numpy(kind):
+  # The counting and mask passes as Pallas kernels (interpreted on CPU).
+  rng = np.random.default_rng(8)
+  for c in (45, 5000):
+    x = _data(kind, c, rng)
+    for num_valid, k in _cases(c):
+      args = (jnp.asarray(x), jnp.int32(num_valid), jnp.int32(k))
+      got = np.asarray(_selector('pallas_radix')(*args))
+      np.testing.assert_array_equal(got, _numpy_words(x, num_valid, k),
+                                    err_msg=f'{kind} c={c} k={k}')
+      np.testing.assert_array_equal(got, np.asarray(_selector('radix')(*args)))
 
 
 def test_auto_resolves_per_lowering_platform():
@@ -203,6 +217,14 @@ def test_radix_lowers_without_loops_or_branches_and_pins_any_key():
     for op in ('stablehlo.while', 'stablehlo.case', 'stablehlo.if',
                'stablehlo.sort', 'chlo.top_k'):
       assert op not in text, (platform, op)
+  # 'pallas_radix': the same passes as Triton kernels on cuda (its only
+  # `case` is pallas_call's switch on the lowering platform, a constant).
+  text = jax.jit(lambda x, k: topk.chunk_topk_words(
+      x, x.size, 4096, k, select='pallas_radix')).trace(
+          x, jnp.int32(100)).lower(lowering_platforms=('cuda',)).as_text()
+  assert '__gpu$xla.gpu.triton' in text
+  for op in ('stablehlo.while', 'stablehlo.sort', 'chlo.top_k'):
+    assert op not in text, op
   # RADIX_PASSES narrow [PAD_KEY, NAN_KEY + 1) to one key, one pass fewer
   # would not.
   span = topk.NAN_KEY + 1 - topk.PAD_KEY

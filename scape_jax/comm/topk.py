@@ -39,6 +39,9 @@ Selections (`SELECTS`):
     iteration (XLA's GPU runtime reads a `while` condition on the host);
     its passes do more compares than the search's, so on CPU it is the
     slower one (`bench/select_crossover.py`).
+  * 'pallas_radix': 'radix' with its counting and mask passes as the
+    Pallas kernels of 'pallas' (one kernel per pass, where XLA reduces
+    the jnp passes' 15 counts in a form of its own choosing).
   * 'auto': `AUTO_SELECT[platform]`, resolved when the program is lowered
     (`jax.lax.platform_dependent`), so a program lowered for another
     platform gets that platform's choice. Except: where the top-k width is
@@ -58,7 +61,7 @@ from scape_jax.kernels import topk_mask
 from scape_jax.kernels._common import same_varying
 from scape_jax.kernels.topk_mask import NAN_KEY, PAD_KEY, ROW, magnitude_key
 
-SELECTS = ('auto', 'sort', 'threshold', 'pallas', 'radix')
+SELECTS = ('auto', 'sort', 'threshold', 'pallas', 'radix', 'pallas_radix')
 # The default per lowering platform ('auto'), by measurement where there is
 # one (docs/benchmarks.md, section 2): on an H100 the sort is 2.6x faster
 # than the search, whose while loops wait on the host at every pass; rocm
@@ -136,8 +139,9 @@ def auto_select(platform: str, width: int) -> str:
 def _bound(select: str, width: int) -> Callable:
   if select == 'sort':
     return lambda x, n, k: sort_topk_words(x, n, width, k)
-  if select == 'radix':
-    return radix_topk_words
+  if select in ('radix', 'pallas_radix'):
+    return lambda x, n, k: radix_topk_words(
+        x, n, k, use_pallas=select == 'pallas_radix')
   return lambda x, n, k: threshold_topk_words(
       x, n, k, use_pallas=select == 'pallas')
 
@@ -188,7 +192,9 @@ class _Passes(NamedTuple):
 
   The chunk is seen as `rows` rows of ROW entries; offsets at or past
   num_valid, and the rows' zero tail, hold PAD_KEY. `count(lo, hi)` gives
-  per row the keys >= lo and >= hi (int32[rows, 2]); `row_keys(r)` the keys
+  per row the keys >= lo and >= hi (int32[rows, 2]); `count_many(t)` the
+  keys >= each of the thresholds t (int32[P], summed over the chunk);
+  `row_keys(r)` the keys
   of rows r (int32[n, ROW], `_FILL_KEY` for r >= rows); `emit(lo, hi, cut)`
   the packed words of the keys >= hi and of those in [lo, hi) at offsets
   < cut. Keys are recomputed from the chunk in every pass rather than
@@ -197,6 +203,7 @@ class _Passes(NamedTuple):
   rows: int
   sample: Callable  # () -> int32[S], sampled keys, descending
   count: Callable
+  count_many: Callable
   row_keys: Callable
   emit: Callable
 
@@ -216,14 +223,17 @@ def _passes(scores, num_valid, use_pallas: bool) -> _Passes:
     flat = x.reshape(-1)
     count = lambda lo, hi: topk_mask.count_at_least(flat, num_valid,
                                                     jnp.stack([lo, hi]))
+    count_many = lambda t: jnp.sum(
+        topk_mask.count_at_least(flat, num_valid, t), axis=0)
     emit = lambda lo, hi, cut: topk_mask.threshold_mask_words(
         flat, num_valid, lo, hi, cut)[:-(-c // 32)]
   else:
     count = lambda lo, hi: _jnp_count(x, num_valid, lo, hi)
+    count_many = lambda t: _jnp_count_many(x, num_valid, t)
     emit = lambda lo, hi, cut: _jnp_emit(x, num_valid, lo, hi, cut)[
         :-(-c // 32)]
   return _Passes(x.shape[0], lambda: _sample(scores, num_valid), count,
-                 row_keys, emit)
+                 count_many, row_keys, emit)
 
 
 def _jnp_count_many(x, num_valid, thresholds):
@@ -446,17 +456,17 @@ def _passes_to_pin(span: int, parts: int) -> int:
 RADIX_PASSES = _passes_to_pin(NAN_KEY + 1 - PAD_KEY, RADIX)
 
 
-def radix_topk_words(scores, num_valid, k) -> jax.Array:
+def radix_topk_words(scores, num_valid, k, use_pallas: bool = False
+                     ) -> jax.Array:
   """The 'radix' selection: `RADIX_PASSES` counting passes, the tie cut
-  and the mask pass, straight-line (no `while`, no conditional)."""
-  passes = _passes(scores, num_valid, use_pallas=False)
-  x = topk_mask.as_rows(scores, 1)
-  count_many = lambda thresholds: _jnp_count_many(x, num_valid, thresholds)
+  and the mask pass, straight-line (no `while`, no conditional); in jnp, or
+  with the passes as Pallas kernels ('pallas_radix')."""
+  passes = _passes(scores, num_valid, use_pallas)
   k = jnp.asarray(k, jnp.int32)
   b = _Bracket(jnp.int32(PAD_KEY), jnp.int32(NAN_KEY + 1),
                jnp.int32(passes.rows * ROW), jnp.int32(0))
   for _ in range(RADIX_PASSES):
-    b = _radix_narrow(b, k, count_many)
+    b = _radix_narrow(b, k, passes.count_many)
   return passes.emit(b.lo, b.hi, _tie_cut(passes, b, k))
 
 

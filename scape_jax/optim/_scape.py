@@ -143,8 +143,9 @@ def scale_by_scape(
     select: how the next mask's top-k is found, one of `topk.SELECTS`:
       'auto' (`topk.AUTO_SELECT` for the platform the program is lowered
       for), 'sort' (`lax.top_k`), 'threshold' (sort-free, jnp), 'pallas'
-      (sort-free, Pallas kernels; GPU and TPU) or 'radix' (sort-free, jnp,
-      a fixed number of passes: no loop). All give the same bits.
+      (sort-free, Pallas kernels; GPU and TPU), 'radix' (sort-free, jnp,
+      a fixed number of passes: no loop) or 'pallas_radix' (the same
+      passes as Pallas kernels). All give the same bits.
     payload_dtype: one of `payload.PAYLOAD_DTYPES`: the width of the
       payload values on the wire. 'bfloat16' and 'float16' round each
       worker's values and the owner's mean, and feed every rounding error
