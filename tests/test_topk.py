@@ -145,31 +145,21 @@ def test_nan_and_inf_in_large_chunks():
                                     _numpy_words(x, 30_000, k), err_msg=select)
 
 
-@pytest.mark.parametrize('kind', ['normal', 'quantised', 'zeros'])
-def test_pallas_select_equals_threshold(kind):
+@pytest.mark.parametrize('kind', ['normal', 'equal', 'quantised', 'zeros',
+                                  'denormal'])
+@pytest.mark.parametrize('select, twin', [('pallas', 'threshold'),
+                                          ('pallas_radix', 'radix')])
+def test_pallas_selects_equal_their_jnp_twins_and_numpy(select, twin, kind):
   # The Pallas kernels run in the interpreter on CPU.
   rng = np.random.default_rng(7)
   for c in (45, 5000):
     x = _data(kind, c, rng)
     for num_valid, k in _cases(c):
       args = (jnp.asarray(x), jnp.int32(num_valid), jnp.int32(k))
-      np.testing.assert_array_equal(
-          np.asarray(_selector('pallas')(*args)),
-          np.asarray(_selector('threshold')(*args)))
-
-
-@pytest.mark.parametrize('kind', ['equal', 'quantised', 'denormal'])
-def test_pallas_radix_equals_radix_and_numpy(kind):
-  # The counting and mask passes as Pallas kernels (interpreted on CPU).
-  rng = np.random.default_rng(8)
-  for c in (45, 5000):
-    x = _data(kind, c, rng)
-    for num_valid, k in _cases(c):
-      args = (jnp.asarray(x), jnp.int32(num_valid), jnp.int32(k))
-      got = np.asarray(_selector('pallas_radix')(*args))
+      got = np.asarray(_selector(select)(*args))
       np.testing.assert_array_equal(got, _numpy_words(x, num_valid, k),
                                     err_msg=f'{kind} c={c} k={k}')
-      np.testing.assert_array_equal(got, np.asarray(_selector('radix')(*args)))
+      np.testing.assert_array_equal(got, np.asarray(_selector(twin)(*args)))
 
 
 def test_auto_resolves_per_lowering_platform():
