@@ -213,6 +213,16 @@ def test_prepare_errors(tmp_path, txt_dir):
     prep.prepare(str(single), 'byte', str(tmp_path / 'o'))
   with pytest.raises(ValueError, match='val_fraction'):
     prep.prepare(txt_dir, 'byte', str(tmp_path / 'o'), val_fraction=1.5)
+  empty = tmp_path / 'empty'
+  empty.mkdir()
+  for name in ('a.txt', 'b.txt', 'c.txt'):
+    (empty / name).write_text('')
+  with pytest.raises(prep.CorpusError, match=r"train split holds no text.*'a.txt'"):
+    prep.prepare(str(empty), 'byte', str(tmp_path / 'o'))
+  (empty / 'a.txt').write_text('some text')
+  with pytest.raises(prep.CorpusError, match=r"val split holds no text.*'c.txt'"):
+    prep.prepare(str(empty), 'byte', str(tmp_path / 'o'))
+  assert not (tmp_path / 'o').exists()  # nothing written
 
 
 def test_shakespeare_download_failure_message(tmp_path, monkeypatch):

@@ -204,12 +204,19 @@ def _scan_sources(train: list[Doc], val: list[Doc]) -> str:
   h = hashlib.sha256()
   chars, bad = 0, {}
   for split, docs in (('train', train), ('val', val)):
+    split_chars = 0
     for name, load in docs:
       text = load()
       h.update(f'\0{split}\0{name}\0'.encode())
       h.update(hashlib.sha256(text.encode('utf-8')).digest())
-      chars += len(text)
+      split_chars += len(text)
       bad[name] = (_not_text(text), len(text))
+    if not split_chars:
+      names = [n for n, _ in docs]
+      raise CorpusError(
+          f'the {split} split holds no text: its file(s) {names[:5]}'
+          f"{' ...' if len(names) > 5 else ''} are empty")
+    chars += split_chars
   total = sum(n for n, _ in bad.values())
   if chars and total > NOT_TEXT_WARN_SHARE * chars:
     worst = sorted(bad.items(), key=lambda kv: -kv[1][0])[:3]
