@@ -22,10 +22,12 @@ LoRA for the same seed.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes
 
@@ -48,11 +50,18 @@ class LoraSpec:
   targets: tuple[str, ...]
 
   def __post_init__(self):
+    if isinstance(self.targets, str):
+      raise ValueError(f'model.lora.targets={self.targets!r} must be a list '
+                       "of layer names, e.g. ['q_proj'].")
     object.__setattr__(self, 'targets', tuple(self.targets))
+    if isinstance(self.rank, bool) or not isinstance(self.rank,
+                                                     (int, np.integer)):
+      raise ValueError(f'model.lora.rank={self.rank!r} must be an int >= 1.')
     if self.rank < 1:
       raise ValueError(f'model.lora.rank={self.rank} must be >= 1.')
-    if not self.alpha > 0:
-      raise ValueError(f'model.lora.alpha={self.alpha} must be > 0.')
+    if not 0 < self.alpha < math.inf:
+      raise ValueError(f'model.lora.alpha={self.alpha} must be finite and '
+                       '> 0.')
     if not self.targets:
       raise ValueError('model.lora.targets is empty: name at least one layer.')
 
@@ -121,6 +130,37 @@ def linear(path: str, d_in: int, d_out: int,
   if spec is not None and spec.targets_path(path):
     return LoRALinear(d_in, d_out, names, spec=spec, **kwargs)
   return layers.linear(d_in, d_out, names, **kwargs)
+
+
+ADAPTER_LEAVES = ('lora_a', 'lora_b')
+
+
+def without_adapters(params: dict) -> dict:
+  """The pure-dict `params` less every adapter leaf (the base model's)."""
+  return {k: without_adapters(v) if isinstance(v, dict) else v
+          for k, v in params.items() if k not in ADAPTER_LEAVES}
+
+
+def merge_adapters(params: dict, scale: float) -> dict:
+  """The base model with the adapters folded in (PEFT's merge): each
+  adapted kernel becomes W + scale * A @ B, computed in float32 and cast
+  back to W's dtype, and the adapter leaves are dropped. The merged model
+  computes what the adapted one does, up to rounding."""
+  out = {}
+  for k, v in params.items():
+    if k in ADAPTER_LEAVES:
+      continue
+    if not isinstance(v, dict):
+      out[k] = v
+    elif 'lora_a' in v:
+      w, a, b = (np.asarray(v[n], np.float32)
+                 for n in ('kernel',) + ADAPTER_LEAVES)
+      out[k] = merge_adapters(v, scale)
+      out[k]['kernel'] = (w + scale * (a @ b)).astype(
+          np.asarray(v['kernel']).dtype)
+    else:
+      out[k] = merge_adapters(v, scale)
+  return out
 
 
 def rngs(seed: int) -> nnx.Rngs:

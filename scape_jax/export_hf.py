@@ -15,7 +15,9 @@ gives the model; only the parameters are read (of replica group 0 for
 methods that keep one copy per group, as the trainer evaluates). They are
 written in the run's parameter dtype; a run that computed in bfloat16 was
 evaluated in bfloat16, which transformers' float32 forward pass does not
-reproduce bit for bit.
+reproduce bit for bit. A LoRA run's adapters are merged into the base
+weights (W + alpha / rank * A @ B, as PEFT's `merge_and_unload`), so DIR
+holds a plain model that computes what the adapted one did.
 """
 
 import argparse
@@ -25,6 +27,7 @@ from typing import Optional
 
 import jax
 
+import models
 from scape_jax import hf
 from scape_jax.train import config as config_lib
 from scape_jax.train import methods
@@ -77,6 +80,9 @@ def export(run_dir: str, out_dir: str, step: Optional[int] = None) -> dict:
   params = jax.device_get(state['params'])
   if per_replica:
     params = jax.tree.map(lambda x: x[0], params)
+  lora = cfg.model.lora
+  if lora.targets:  # transformers gets the merged weights (PEFT's merge)
+    params = models.lora.merge_adapters(params, lora.alpha / lora.rank)
   files, eos_id = _tokenizer_files(cfg, out_dir, model_cfg.max_seq_len)
   hf.save_pretrained(out_dir, model_cfg, params, bos_token_id=eos_id,
                      eos_token_id=eos_id)

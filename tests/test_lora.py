@@ -10,6 +10,7 @@ from flax import nnx
 
 import models
 from models import lora as lora_lib
+from scape_jax import hf
 from scape_jax import sharding
 from scape_jax import train as trainer
 from scape_jax.train import config as config_lib
@@ -111,6 +112,20 @@ def test_bad_settings_are_clear_errors(overrides, message):
     trainer.build_program(_cfg(*overrides))
 
 
+@pytest.mark.parametrize('args, message', [
+    ((2.5, 8.0, ('q_proj',)), 'rank=2.5 must be an int'),
+    ((True, 8.0, ('q_proj',)), 'rank=True must be an int'),
+    ((0, 8.0, ('q_proj',)), 'rank=0 must be >= 1'),
+    ((4, float('inf'), ('q_proj',)), 'alpha=inf must be finite'),
+    ((4, 8.0, 'q_proj'), "targets='q_proj' must be a list"),
+    ((4, 8.0, ()), 'targets is empty'),
+])
+def test_lora_spec_refuses_bad_values(args, message):
+  with pytest.raises(ValueError, match=message):
+    models.LoraSpec(*args)
+  assert models.LoraSpec(np.int64(4), 8, ['q_proj']).scale == 2.0
+
+
 def test_targets_from_a_config_file(tmp_path):
   path = tmp_path / 'lora.py'
   path.write_text("model = dict(preset='gpt-tiny', lora=dict(rank=2, "
@@ -161,3 +176,84 @@ def test_data_parallel_gpt_trains_only_its_adapters():
   for p, s, t in zip(jax.tree.leaves(params), jax.tree.leaves(start),
                      trainable):
     assert np.array_equal(np.asarray(p), s) != t
+
+
+def _params(model) -> dict:
+  return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+@pytest.mark.parametrize('preset, targets', [
+    ('llama-tiny', ('q_proj', 'down_proj')), ('gpt-tiny', ('c_attn',))])
+def test_merged_adapters_compute_what_the_adapted_model_does(preset, targets):
+  spec = _spec(targets, rank=3, alpha=6.0)
+  model = models.build(models.get_config(preset, lora=spec),
+                       rngs=models.rngs(0), dtype=jnp.float32)
+  rng = np.random.default_rng(0)
+  for _, b in nnx.iter_graph(model):  # B != 0: the adapters change outputs
+    if isinstance(b, lora_lib.LoRALinear):
+      b.lora_b.set_value(jnp.asarray(rng.normal(size=b.lora_b.shape) * 0.1,
+                                     jnp.float32))
+  params = _params(model)
+  merged = lora_lib.merge_adapters(params, spec.scale)
+  base = models.build(models.get_config(preset), rngs=models.rngs(1),
+                      dtype=jnp.float32)
+  nnx.update(base, merged)
+  tokens = jnp.arange(32, dtype=jnp.int32).reshape(2, 16)
+  forward = nnx.jit(lambda m, t: m(t))
+  want = forward(model, tokens)
+  assert not np.allclose(forward(models.build(
+      models.get_config(preset), rngs=models.rngs(0), dtype=jnp.float32),
+                                  tokens), want, atol=1e-3)
+  np.testing.assert_allclose(forward(base, tokens), want, rtol=1e-4,
+                             atol=1e-4)
+  assert lora_lib.without_adapters(params).keys() == merged.keys()
+  # transformers' names exist for the merged params only.
+  cfg = models.get_config(preset, lora=spec)
+  assert not any('lora' in n for n in hf.to_hf_state(cfg, merged))
+  with pytest.raises(hf.ConversionError, match='lora_a.*merge_adapters'):
+    hf.to_hf_state(cfg, params)
+
+
+def test_init_from_with_lora_loads_the_base_and_new_adapters(monkeypatch):
+  # A transformers checkpoint of a llama-tiny (read through stand-ins for
+  # the safetensors reader), fine-tuned with adapters on q_proj.
+  base_cfg = models.get_config('llama-tiny')
+  pretrained = _params(models.build(base_cfg, rngs=models.rngs(7)))
+  tensors = hf.to_hf_state(base_cfg, pretrained)
+  monkeypatch.setattr(hf, 'read_config', lambda d: hf.to_hf_config(base_cfg))
+  monkeypatch.setattr(hf, 'read_safetensors', lambda d: dict(tensors))
+  cfg = config_lib.load(None, [
+      '--config.model.init_from=/pretrained', '--config.model.dtype=float32',
+      '--config.model.lora.targets=q_proj', '--config.data.seq_len=16',
+      '--config.data.batch_size=8', '--config.mesh.data=8'])
+  params, _ = trainer.build_program(cfg).init_state()
+  params = jax.tree.map(np.asarray, params)
+  got = lora_lib.without_adapters(params)
+  jax.tree.map(np.testing.assert_array_equal, got, pretrained)
+  for i in range(base_cfg.n_layers):  # new adapters: A random, B = 0
+    q_proj = params['layers'][i]['self_attn']['q_proj']
+    assert q_proj['lora_a'].any() and not q_proj['lora_b'].any()
+
+
+def test_export_merges_a_runs_adapters(tmp_path, monkeypatch):
+  from scape_jax import export_hf  # pylint: disable=g-import-not-at-top
+  from scape_jax.train.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
+  cfg = config_lib.load(None, ['--config.model.lora.targets=q_proj',
+                               '--config.model.lora.rank=2'])
+  spec = _spec(('q_proj',), rank=2, alpha=cfg.model.lora.alpha)
+  params = _params(models.build(models.get_config(cfg.model.preset,
+                                                  lora=spec),
+                                rngs=models.rngs(0)))
+  q_proj = params['layers'][0]['self_attn']['q_proj']
+  q_proj['lora_b'] = np.full(q_proj['lora_b'].shape, 0.5, np.float32)
+  with Checkpointer(str(tmp_path / 'run' / 'ckpt')) as ckpt:
+    ckpt.save(3, {'params': params}, {'config': config_lib.to_dict(cfg)})
+  saved = {}
+  monkeypatch.setattr(hf, 'save_pretrained',  # no safetensors needed
+                      lambda d, c, p, **kw: saved.update(params=p))
+  export_hf.export(str(tmp_path / 'run'), str(tmp_path / 'out'))
+  want = lora_lib.merge_adapters(jax.tree.map(np.asarray, params), spec.scale)
+  jax.tree.map(np.testing.assert_array_equal, saved['params'], want)
+  assert not np.array_equal(
+      saved['params']['layers'][0]['self_attn']['q_proj']['kernel'],
+      q_proj['kernel'])

@@ -79,6 +79,11 @@ _RENAME = {'kernel': 'weight', 'scale': 'weight', 'embedding': 'weight',
 def hf_name(cfg: models.Config, path: str) -> str:
   """The `transformers` name of our parameter `path` (dotted)."""
   module, leaf = path.rsplit('.', 1)
+  if leaf not in _RENAME:
+    raise ConversionError(
+        f'{path}: transformers has no tensor for our {leaf!r} (LoRA '
+        'adapters are merged into the base weights first: '
+        'models.lora.merge_adapters)')
   name = f'{module}.{_RENAME[leaf]}'
   if _is_llama(cfg):
     return name if module == 'lm_head' else f'model.{name}'

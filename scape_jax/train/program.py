@@ -70,7 +70,9 @@ class Program:
     replicas = self.layout.replicas if self.layout.per_replica else None
 
     def params_fn(loaded):
-      params = self.init_params() if loaded is None else loaded
+      params = self.init_params()
+      if loaded is not None:  # New adapters (LoRA) on the loaded base.
+        params = _overlay(params, loaded)
       if replicas is None:
         return params
       return jax.tree.map(
@@ -172,18 +174,26 @@ def param_shapes(cfg: Config) -> tuple:
 
 
 def _hf_loader(cfg: Config, model_cfg, group_params):
-  """() -> the params of `model.init_from` (host arrays), or None."""
+  """() -> the params of `model.init_from` (host arrays), or None. With
+  LoRA, the base model's: the adapters are new (`_overlay`)."""
   if not cfg.model.init_from:
     return None
 
   def load():
     try:
       return hf.from_hf_state(model_cfg, hf.read_safetensors(
-          cfg.model.init_from), group_params, jnp.dtype(cfg.model.param_dtype))
+          cfg.model.init_from), models.lora.without_adapters(group_params),
+                              jnp.dtype(cfg.model.param_dtype))
     except (ImportError, OSError, ValueError) as e:
       raise ConfigError(f'model.init_from={cfg.model.init_from!r}: {e}') from e
 
   return load
+
+
+def _overlay(params: dict, over: dict) -> dict:
+  """`params` with the leaves that `over` (a subtree of keys) holds."""
+  return {k: (_overlay(v, over[k]) if isinstance(v, dict) else over[k])
+          if k in over else v for k, v in params.items()}
 
 
 def _trainable(cfg: Config, abstract_state):
