@@ -13,8 +13,9 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import math
+import os
+import statistics
 import sys
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
@@ -81,7 +82,7 @@ def run(label, overrides, steps, out_root):
   return {
       'label': label, 'overrides': overrides, 'steps': steps,
       'first_loss': summary['first_loss'],
-      'final_loss': sum(summary['losses'][-10:]) / 10,
+      'final_loss': statistics.fmean(summary['losses'][-10:]),
       'eval_loss': summary['eval_loss'],
       'bytes_per_step': sum(r['comm_bytes'] for r in train[-BYTES_WINDOW:]) /
                         len(train[-BYTES_WINDOW:]),

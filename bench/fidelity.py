@@ -386,20 +386,44 @@ def figures(out: str, hours: float, only: str) -> None:
     ensure(out, key, overrides, deadline, **extra)
 
 
+def _seeds(text: str) -> tuple:
+  try:
+    return tuple(int(x) for x in text.split(','))
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f'{text!r} is not a comma-separated list of integer seeds') from None
+
+
+def _hours(text: str) -> float:
+  hours = float(text)
+  if not 0 < hours < float('inf'):
+    raise argparse.ArgumentTypeError(f'{text} must be a number of hours > 0')
+  return hours
+
+
+def _regex(text: str):
+  try:
+    return re.compile(text)
+  except re.error as e:
+    raise argparse.ArgumentTypeError(f'{text!r} is not a regex: {e}') from None
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   sub = parser.add_subparsers(dest='cmd', required=True)
   for name in ('grid', 'figures', 'report', 'targets'):
     p = sub.add_parser(name)
     p.add_argument('--out', default='runs/fidelity')
-    p.add_argument('--hours', type=float, default=4.0,
-                   help='start no run after this many hours')
-    p.add_argument('--only', default='',
-                   help='regex on "axis=value method" (grid) or on the run '
-                   'name (figures)')
-    p.add_argument('--seeds', default=','.join(map(str, ALL_SEEDS)),
-                   help='comma-separated seeds to run (grid only)')
-    if name == 'report':
+    if name in ('grid', 'figures'):
+      p.add_argument('--hours', type=_hours, default=4.0,
+                     help='start no run after this many hours')
+      p.add_argument('--only', default='', type=_regex,
+                     help='regex on "axis=value method" (grid) or on the '
+                     'run name (figures)')
+    if name == 'grid':
+      p.add_argument('--seeds', type=_seeds, default=ALL_SEEDS,
+                     help='comma-separated seeds to run')
+    if name in ('report', 'targets'):
       p.add_argument('--allow-fewer', action='store_true',
                      help='write docs/results.md even from fewer runs than '
                      'it was made from')
@@ -412,18 +436,28 @@ def main():
     with open(spec['json'], 'w') as f:
       json.dump(result, f)
   elif args.cmd == 'grid':
-    grid(args.out, args.hours, args.only,
-         tuple(int(x) for x in args.seeds.split(',')))
+    grid(args.out, args.hours, args.only.pattern, args.seeds)
   elif args.cmd == 'figures':
-    figures(args.out, args.hours, args.only)
+    figures(args.out, args.hours, args.only.pattern)
   elif args.cmd == 'targets':
     import fidelity_report  # pylint: disable=g-import-not-at-top
     import fidelity_variants  # pylint: disable=g-import-not-at-top
     import results_md  # pylint: disable=g-import-not-at-top
+    runs = fidelity_report.load_grid(args.out)
+    have = fidelity_variants.targets_runs(runs)
+    with open(fidelity_report.DOC, encoding='utf-8') as f:
+      before = fidelity_variants.targets_runs_in(
+          results_md.sections(f.read()).get('fidelity-targets', ''))
+    if have < before and not args.allow_fewer:
+      raise SystemExit(
+          f'fidelity targets: {args.out} holds {have} runs at the target '
+          f'points; the section in {fidelity_report.DOC} was made from '
+          f'{before}. Writing it now would lose what it shows. Copy the '
+          'missing runs into --out, or pass --allow-fewer to write it '
+          'anyway.')
     results_md.replace_section(
         fidelity_report.DOC, 'fidelity-targets',
-        fidelity_variants.targets_section(
-            fidelity_report.load_grid(args.out), args.out))
+        fidelity_variants.targets_section(runs, args.out))
   else:
     import fidelity_report  # pylint: disable=g-import-not-at-top
     fidelity_report.write(args.out, args.allow_fewer)

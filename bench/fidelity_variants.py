@@ -145,7 +145,7 @@ def targets_section(grid: dict, out: str) -> list:
   if paired:
     lines += ['', 'Seed by seed at b2 = 0.95 (gap minus gap, same seed):',
               ''] + paired
-  lines += ['', 'Eval loss of each run used above:', '',
+  lines += ['', EVAL_TABLE, '',
             '| b2 | method | ' + ' | '.join(
                 f's{s}' for s in fidelity.ALL_SEEDS) + ' |',
             '|---|---|' + '---|' * len(fidelity.ALL_SEEDS)]
@@ -155,6 +155,26 @@ def targets_section(grid: dict, out: str) -> list:
                for s in fidelity.ALL_SEEDS]
       lines.append(f'| {label} | {method} | ' + ' | '.join(cells) + ' |')
   return lines
+
+
+EVAL_TABLE = 'Eval loss of each run used above:'
+
+
+def targets_runs(grid: dict) -> int:
+  """The runs `targets_section` uses: those at TARGET_POINTS."""
+  return sum(len(seeds) for point, _ in TARGET_POINTS
+             for seeds in grid.get(point, {}).values())
+
+
+def targets_runs_in(section: str) -> int:
+  """The runs a written "fidelity-targets" section used: the filled cells
+  of its eval-loss table (0 if it has none)."""
+  if EVAL_TABLE not in section:
+    return 0
+  rows = section.split(EVAL_TABLE, 1)[1].splitlines()
+  cells = [c.strip() for r in rows if r.startswith('| 0.') for c in
+           r.strip('|').split('|')[2:]]
+  return sum(c not in ('', '-') for c in cells)
 
 
 VARIANT_NOTES = {  # what each variant changes (docs/design.md has more)

@@ -308,6 +308,11 @@ def test_targets_section_leaves_out_methods_not_run(monkeypatch):
   assert rows[-2:] == ['| 0.95 | AdamS | 2.0000 | - | - | -' + rest,
                        '| 0.95 | v d=0.1 | 2.0200 | - | - | 2.1000' + rest]
   assert not any('9.0000' in x for x in lines)  # not a targets point
+  # The section says how many runs it was made from (`targets` refuses to
+  # replace it from fewer).
+  assert fidelity_variants.targets_runs(grid) == 3
+  assert fidelity_variants.targets_runs_in('\n'.join(lines)) == 3
+  assert fidelity_variants.targets_runs_in('no table') == 0
 
 
 def test_noise_scale_of_the_temper_study_is_shrunk_at_1_and_tempered_at_half(
