@@ -445,9 +445,8 @@ def main():
     import results_md  # pylint: disable=g-import-not-at-top
     runs = fidelity_report.load_grid(args.out)
     have = fidelity_variants.targets_runs(runs)
-    with open(fidelity_report.DOC, encoding='utf-8') as f:
-      before = fidelity_variants.targets_runs_in(
-          results_md.sections(f.read()).get('fidelity-targets', ''))
+    before = fidelity_variants.targets_runs_in(
+        fidelity_report.section_in_doc('fidelity-targets'))
     if have < before and not args.allow_fewer:
       raise SystemExit(
           f'fidelity targets: {args.out} holds {have} runs at the target '

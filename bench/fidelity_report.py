@@ -405,12 +405,17 @@ def missing_text(out: str) -> list:
       '```']
 
 
+def section_in_doc(name: str) -> str:
+  """The marked section `name` of DOC as it stands ('' if none)."""
+  if not os.path.exists(DOC):
+    return ''
+  with open(DOC, encoding='utf-8') as f:
+    return results_md.sections(f.read()).get(name, '')
+
+
 def _finished_in_doc() -> int:
   """Grid runs the "fidelity" section of DOC was made from (0 if none)."""
-  if not os.path.exists(DOC):
-    return 0
-  with open(DOC, encoding='utf-8') as f:
-    section = results_md.sections(f.read()).get('fidelity', '')
+  section = section_in_doc('fidelity')
   found = re.search(FINISHED.format(r'(\d+)', r'\d+'), section)
   return int(found.group(1)) if found else 0
 

@@ -194,10 +194,9 @@ class _Passes(NamedTuple):
   num_valid, and the rows' zero tail, hold PAD_KEY. `count(lo, hi)` gives
   per row the keys >= lo and >= hi (int32[rows, 2]); `count_many(t)` the
   keys >= each of the thresholds t (int32[P], summed over the chunk);
-  `row_keys(r)` the keys
-  of rows r (int32[n, ROW], `_FILL_KEY` for r >= rows); `emit(lo, hi, cut)`
-  the packed words of the keys >= hi and of those in [lo, hi) at offsets
-  < cut. Keys are recomputed from the chunk in every pass rather than
+  `row_keys(r)` the keys of rows r (int32[n, ROW], `_FILL_KEY` for
+  r >= rows); `emit(lo, hi, cut)` the packed words of the keys >= hi and of
+  those in [lo, hi) at offsets < cut. Keys are recomputed from the chunk in every pass rather than
   stored: a pass then reads the chunk once and writes nothing of its size.
   """
   rows: int
