@@ -11,6 +11,7 @@ import pytest
 
 from scape_jax import train as trainer
 from scape_jax.train import checkpoint
+from scape_jax.train import cli
 from scape_jax.train import config as config_lib
 from scape_jax.data.prepare import make_synthetic_corpus
 
@@ -34,6 +35,57 @@ def test_bad_config_is_a_clear_error(args, message):
   proc = _run(*args)
   assert proc.returncode == 2, proc.stderr
   assert message in proc.stderr
+  assert 'Traceback' not in proc.stderr
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--num-processes', '4', '--process-id', '1'], 'need --coordinator'),
+    (['--coordinator', 'h:1', '--num-processes', '2', '--process-id', '2'],
+     '--process-id 2: must be in 0 .. 1'),
+    (['--coordinator', 'h:1', '--num-processes', '0', '--process-id', '0'],
+     '--num-processes 0: must be >= 1'),
+    (['--coordinator', 'h:1', '--num-processes', '2', '--process-id', '-1'],
+     '--process-id -1'),
+    (['--coordinator', 'h:1'], 'needs --num-processes and --process-id'),
+    (['--coordinator', 'host', '--num-processes', '2', '--process-id', '0'],
+     'expected HOST:PORT'),
+])
+def test_bad_process_options_are_usage_errors(args, message, capsys,
+                                              monkeypatch):
+  for var in ('JAX_COORDINATOR_ADDRESS', 'SLURM_NTASKS',
+              'OMPI_COMM_WORLD_SIZE'):
+    monkeypatch.delenv(var, raising=False)
+  with pytest.raises(SystemExit) as e:
+    cli.parse_args(args)
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_good_process_options_parse():
+  args, _ = cli.parse_args(['--coordinator', 'h:1', '--num-processes', '2',
+                            '--process-id', '1', '--config.steps=3'])
+  assert (args.num_processes, args.process_id) == (2, 1)
+
+
+def test_distributed_outside_a_cluster_and_unwritable_out_dir_are_errors(
+    tmp_path):
+  env = {k: v for k, v in os.environ.items()
+         if k not in ('JAX_COORDINATOR_ADDRESS', 'SLURM_NTASKS',
+                      'OMPI_COMM_WORLD_SIZE')}
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, 'train.py'), '--dry-run',
+       '--distributed', '--config.mesh.data=1'],
+      capture_output=True, text=True, cwd=ROOT, timeout=300, check=False,
+      env=dict(env, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu'))
+  assert proc.returncode == 2, proc.stderr
+  assert 'jax.distributed.initialize' in proc.stderr
+  assert 'Traceback' not in proc.stderr
+  blocker = tmp_path / 'a_file'
+  blocker.write_text('')
+  proc = _run('--config.mesh.data=1', '--config.data.corpus=synthetic',
+              '--config.steps=2', f'--config.out_dir={blocker}/run')
+  assert proc.returncode == 2, proc.stderr
+  assert f"out_dir='{blocker}/run': cannot create it" in proc.stderr
   assert 'Traceback' not in proc.stderr
 
 

@@ -35,8 +35,10 @@ def parse_args(argv):
                       'mesh of the configured size and report memory')
   parser.add_argument('--coordinator', default=None,
                       help='host:port of process 0 (multi-process runs)')
-  parser.add_argument('--num-processes', type=int, default=None)
-  parser.add_argument('--process-id', type=int, default=None)
+  parser.add_argument('--num-processes', type=int, default=None,
+                      help='how many processes join (with --coordinator)')
+  parser.add_argument('--process-id', type=int, default=None,
+                      help="this process's index, 0 .. num-processes - 1")
   parser.add_argument('--distributed', action='store_true',
                       help='jax.distributed.initialize() from the cluster '
                       'environment')
@@ -49,7 +51,30 @@ def parse_args(argv):
   if unknown and not (len(rest) >= 2 and unknown == rest[1::2]):
     parser.error(f'unrecognized arguments: {" ".join(unknown)} (config '
                  'overrides are written --config.KEY=VALUE)')
+  problem = _process_problem(args)
+  if problem:
+    parser.error(problem)
   return args, rest
+
+
+def _process_problem(args):
+  """What is wrong with the multi-process options, or None."""
+  n, i = args.num_processes, args.process_id
+  if (n is not None or i is not None) and not (args.coordinator or
+                                               args.distributed):
+    return ('--num-processes and --process-id need --coordinator HOST:PORT '
+            '(or --distributed); without it they would be ignored')
+  if n is not None and n < 1:
+    return f'--num-processes {n}: must be >= 1'
+  if i is not None and (i < 0 or (n is not None and i >= n)):
+    return (f'--process-id {i}: must be in 0 .. '
+            f'{"num-processes - 1" if n is None else n - 1}')
+  if args.coordinator and not _cluster_env() and (n is None or i is None):
+    return ('--coordinator needs --num-processes and --process-id (outside '
+            'a SLURM or Open MPI job, which would supply them)')
+  if args.coordinator and ':' not in args.coordinator:
+    return f'--coordinator {args.coordinator!r}: expected HOST:PORT'
+  return None
 
 
 def _cluster_env() -> bool:
@@ -81,8 +106,12 @@ def main(argv=None) -> int:
   import jax  # pylint: disable=g-import-not-at-top
   if args.coordinator or args.distributed or _cluster_env():
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-    jax.distributed.initialize(args.coordinator, args.num_processes,
-                               args.process_id)
+    try:
+      jax.distributed.initialize(args.coordinator, args.num_processes,
+                                 args.process_id)
+    except ValueError as e:  # jax's checks of the process options
+      print(f'error: jax.distributed.initialize: {e}', file=sys.stderr)
+      return EXIT_USAGE
   try:
     if args.dry_run:
       devices = jax.devices()

@@ -243,6 +243,18 @@ def _summarize(cfg, reporter: _Reporter, start: int,
   return summary
 
 
+def _check_out_dir(out_dir: str) -> None:
+  """Creates `out_dir` or says why it cannot, before any work is done."""
+  try:
+    os.makedirs(out_dir, exist_ok=True)
+  except OSError as e:
+    raise config_lib.ConfigError(
+        f'out_dir={out_dir!r}: cannot create it ({e.strerror})') from None
+  if not os.access(out_dir, os.W_OK | os.X_OK):
+    raise config_lib.ConfigError(
+        f'out_dir={out_dir!r}: this user cannot write there')
+
+
 def train(cfg: config_lib.Config, devices=None, *,
           allow_config_change: bool = False) -> dict:
   """Trains (or resumes) the run in `cfg.out_dir`; returns a summary.
@@ -253,6 +265,7 @@ def train(cfg: config_lib.Config, devices=None, *,
     allow_config_change: resume even if keys that change the computation
       differ from the checkpoint's config (`resume.check_config`).
   """
+  _check_out_dir(cfg.out_dir)
   program = build_program(cfg, devices)
   feed = _DataFeed(cfg, program)
   ckpt = Checkpointer(os.path.join(cfg.out_dir, 'ckpt'))
