@@ -81,6 +81,7 @@ import jax  # noqa: E402
 
 from scape_jax import analysis  # noqa: E402
 from scape_jax.train import config as config_lib  # noqa: E402
+from scape_jax.train import program as program_lib  # noqa: E402
 from scape_jax import train as trainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -88,6 +89,7 @@ from comm_analytic import DEMO_CHUNK, RADIUS_INTERVAL  # noqa: E402
 from comm_analytic import dense_bytes, demo_bytes, radius_bytes  # noqa: E402
 from comm_analytic import HALF_WIRE, scape_analytic  # noqa: E402
 from comm_analytic import resolved_name, scape_bytes  # noqa: E402
+import cli_types  # noqa: E402
 
 MODELS = ('llama-tiny', 'gpt345m', 'llama500m', 'llama1.8b')
 WORKERS = (8, 32)
@@ -537,27 +539,32 @@ def write_main(rows, table_keys, args, meta) -> None:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--models', nargs='+', default=list(MODELS))
-  p.add_argument('--workers', nargs='+', type=int, default=list(WORKERS))
-  p.add_argument('--densities', nargs='+', type=float, default=list(DENSITIES))
+  p.add_argument('--workers', nargs='+', type=cli_types.positive_int,
+                 default=list(WORKERS),
+                 help='worker counts, at most the simulated devices (32)')
+  p.add_argument('--densities', nargs='+', type=cli_types.density,
+                 default=list(DENSITIES))
   p.add_argument('--methods', nargs='+', choices=METHODS,
                  default=list(METHODS))
   p.add_argument('--encodings', nargs='+', choices=ENCODINGS,
                  default=list(ENCODINGS),
                  help="SCAPE's rows: mask encodings, and 'bf16' for the "
                  'half-width wire')
-  p.add_argument('--radius-densities', nargs='+', type=float,
+  p.add_argument('--radius-densities', nargs='+', type=cli_types.density,
                  default=list(RADIUS_DENSITIES))
-  p.add_argument('--demo-topks', nargs='+', type=int,
+  p.add_argument('--demo-topks', nargs='+', type=cli_types.positive_int,
                  default=list(DEMO_TOPKS))
-  p.add_argument('--plot-densities', nargs='+', type=float,
+  p.add_argument('--plot-densities', nargs='+', type=cli_types.density,
                  default=list(PLOT_DENSITIES))
   p.add_argument('--no-plot', action='store_true')
   p.add_argument('--no-dedupe', action='store_true')
-  p.add_argument('--no-outer', action='store_true',
-                 help='skip the DiLoCo/Pier table')
-  p.add_argument('--outer-only', action='store_true',
-                 help='only the DiLoCo/Pier table')
-  p.add_argument('--jobs', type=int, default=2)
+  outer = p.add_mutually_exclusive_group()
+  outer.add_argument('--no-outer', action='store_true',
+                     help='skip the DiLoCo/Pier table')
+  outer.add_argument('--outer-only', action='store_true',
+                     help=f'only the DiLoCo/Pier table (--workers that are '
+                     f'multiples of {GROUP_SIZE} above {GROUP_SIZE})')
+  p.add_argument('--jobs', type=cli_types.positive_int, default=2)
   p.add_argument('--full-backend-opt', action='store_true',
                  help=f'do not add {FAST_BACKEND_FLAG} (compiles slower)')
   p.add_argument('--out', default=OUT)
@@ -567,6 +574,7 @@ def main(argv=None):
     os.environ['XLA_FLAGS'] += ' ' + FAST_BACKEND_FLAG
   t0 = time.perf_counter()
   tasks, table_keys, plotting = _tasks(args)
+  _check_tasks(p, args, tasks)
   n_groups = len(tasks)
   print(f'{n_groups} groups of programs to compile, {args.jobs} at a time; '
         f'XLA_FLAGS={os.environ["XLA_FLAGS"]!r}', flush=True)
@@ -591,9 +599,35 @@ def main(argv=None):
   incomplete = [label(r) for r in measured if not r['complete']]
   if incomplete:
     print(f'WARNING: collectives with unknown count in {incomplete}')
+  wrote = (['comm_volume.{csv,json,md}'] if rows else []) + (
+      ['comm_volume_outer.*'] if outer_rows else [])
   print(f'\n{len(measured)} rows from {n_groups} groups in '
-        f'{meta["wall_s"]:.0f} s; wrote {args.out}/comm_volume*.{{csv,json,md}}')
+        f'{meta["wall_s"]:.0f} s; wrote {" and ".join(wrote)} in {args.out}')
   return rows + outer_rows
+
+
+def _check_tasks(p, args, tasks) -> None:
+  """Usage errors for a selection with nothing to do, or a bad setting.
+
+  Every group's config is built here, in this process, so a bad model name
+  or mesh fails now rather than in a worker after other groups compiled.
+  """
+  if not tasks:
+    p.error('nothing to measure: --outer-only needs a --workers value that '
+            f'is a multiple of {GROUP_SIZE} above {GROUP_SIZE}'
+            if args.outer_only else 'nothing to measure: check --methods')
+  devices = jax.device_count()
+  if max(args.workers) > devices:
+    p.error(f'--workers {max(args.workers)}: at most {devices}, the '
+            'simulated devices')
+  for model, n, method, density, encodings, _ in tasks:
+    for encoding in encodings or (None,):
+      try:
+        program_lib.model_config(make_config(
+            model, n, 'adamw' if method == 'diloco' else method, density,
+            encoding))
+      except config_lib.ConfigError as e:
+        p.error(str(e))
 
 
 if __name__ == '__main__':

@@ -22,7 +22,8 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 if 'host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                              ' --xla_force_host_platform_device_count=8')
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 import matplotlib  # noqa: E402
 
@@ -34,9 +35,11 @@ from scape_jax import train as trainer  # noqa: E402
 from scape_jax.train.metrics import read_jsonl  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cli_types  # noqa: E402
 import results_md  # noqa: E402
 
-CONFIG = 'configs/shakespeare_llama_tiny.py'
+CONFIG = 'configs/shakespeare_llama_tiny.py'  # relative to ROOT
+DOCS = os.path.join(ROOT, 'docs')  # the tables and plots of this checkout
 RUNS = [  # (label, overrides)
     ('AdamW', ['--config.optimizer.name=adamw']),
     ('AdamS', ['--config.optimizer.name=adams']),
@@ -70,7 +73,7 @@ BYTES_WINDOW = 100  # bytes/step: mean of the last steps (whole sync intervals)
 
 def run(label, overrides, steps, out_root):
   out_dir = os.path.join(out_root, label.replace(' ', '_').replace('=', ''))
-  cfg = config_lib.load(CONFIG, overrides + [f'--config.steps={steps}',
+  cfg = config_lib.load(os.path.join(ROOT, CONFIG), overrides + [f'--config.steps={steps}',
                                              f'--config.out_dir={out_dir}',
                                              f'--config.eval_every={steps}'])
   if os.path.exists(os.path.join(out_dir, 'ckpt')):
@@ -91,14 +94,22 @@ def run(label, overrides, steps, out_root):
   }
 
 
+def arguments(description: str, out: str):
+  """The options of this script and of wire_fidelity.py."""
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument('--steps', type=cli_types.positive_int, default=300,
+                      help='training steps of every run')
+  parser.add_argument('--out', default=os.path.join(ROOT, 'runs', out),
+                      help='where the training runs go; the tables and '
+                      f'plots always go to {DOCS}')
+  return parser.parse_args()
+
+
 def main():
-  parser = argparse.ArgumentParser()
-  parser.add_argument('--steps', type=int, default=300)
-  parser.add_argument('--out', default='runs/convergence')
-  args = parser.parse_args()
+  args = arguments(__doc__.split('\n')[0], 'convergence')
   results = [run(label, o, args.steps, args.out) for label, o in RUNS]
-  os.makedirs('docs/bench', exist_ok=True)
-  with open('docs/bench/convergence.json', 'w') as f:
+  os.makedirs(os.path.join(DOCS, 'bench'), exist_ok=True)
+  with open(os.path.join(DOCS, 'bench', 'convergence.json'), 'w') as f:
     json.dump(results, f, indent=1)
 
   fig, ax = plt.subplots(figsize=(7, 4))
@@ -111,7 +122,7 @@ def main():
   ax.legend()
   ax.set_title('tiny Llama, Shakespeare, 8 workers (CPU)')
   fig.tight_layout()
-  fig.savefig('docs/bench/convergence.png', dpi=110)
+  fig.savefig(os.path.join(DOCS, 'bench', 'convergence.png'), dpi=110)
 
   dense = results[0]['bytes_per_step']
   dense_run = results[0]['mean_bytes_per_step']
@@ -165,7 +176,7 @@ def main():
       'inside a group, i.e. on the fast links; `docs/benchmarks.md` splits '
       'them. Pier\'s first 30 steps (10%) are AdamW over all 8 workers.',
   ]
-  results_md.write_top('docs/results.md', lines)  # keeps others' sections
+  results_md.write_top(os.path.join(DOCS, 'results.md'), lines)  # keeps others' sections
   print('\n'.join(lines))
 
 

@@ -161,7 +161,7 @@ def run_lm_eval(model_dir: str, tasks: list[str], task_dir: str,
          '--tasks', ','.join(tasks), '--include_path', task_dir,
          '--device', 'cpu', '--batch_size', '32', '--seed', '0',
          '--output_path', out_dir]
-  if limit:
+  if limit is not None:
     cmd += ['--limit', str(limit)]
   env = dict(os.environ)
   if set(tasks) <= set(LOCAL_TASKS):  # nothing to download: never try
@@ -223,13 +223,21 @@ def write_docs(run: str, results: dict, command: str) -> None:
   results_md.replace_section('docs/results.md', 'downstream', lines)
 
 
+def _limit(text: str) -> int:
+  value = int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(
+        f'{value}: must be >= 1 (leave --limit out for every example)')
+  return value
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   parser.add_argument('--run', required=True, help='the run directory')
   parser.add_argument('--tasks', default=','.join(LOCAL_TASKS))
-  parser.add_argument('--limit', type=int, default=None,
-                      help='examples per task (default: all)')
+  parser.add_argument('--limit', type=_limit, default=None,
+                      help='examples per task, >= 1 (default: all)')
   parser.add_argument('--write-docs', action='store_true',
                       help='record the scores in docs/results.md')
   args = parser.parse_args(argv)
@@ -249,7 +257,7 @@ def main(argv=None) -> int:
     command = ' '.join(['python bench/eval_downstream.py', '--run', args.run] +
                        ([f'--tasks {args.tasks}']
                         if args.tasks != ','.join(LOCAL_TASKS) else []) +
-                       ([f'--limit {args.limit}'] if args.limit else []) +
+                       ([f'--limit {args.limit}'] if args.limit is not None else []) +
                        ['--write-docs'])
     write_docs(args.run, results, command)
   return 0

@@ -254,7 +254,8 @@ def run(models, variants=VARIANTS) -> list:
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  p.add_argument('--models', nargs='+', default=list(MODELS))
+  p.add_argument('--models', nargs='+', default=list(MODELS),
+                 choices=sorted(models.PRESETS))
   p.add_argument('--out', default=OUT)
   p.add_argument('--full-backend-opt', action='store_true',
                  help=f'do not add {FAST_BACKEND_FLAG} (compiles slower)')

@@ -36,6 +36,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import cli_types  # noqa: E402
+
 CONFIG = 'configs/shakespeare_llama_tiny.py'
 # The variants of scale_by_scape the study puts beside Algorithm 1.
 VARIANTS = ('fresh', 'carry', 'carry_v', 'carry_vi', 'stale', 'local',
@@ -386,21 +388,6 @@ def figures(out: str, hours: float, only: str) -> None:
     ensure(out, key, overrides, deadline, **extra)
 
 
-def _seeds(text: str) -> tuple:
-  try:
-    return tuple(int(x) for x in text.split(','))
-  except ValueError:
-    raise argparse.ArgumentTypeError(
-        f'{text!r} is not a comma-separated list of integer seeds') from None
-
-
-def _hours(text: str) -> float:
-  hours = float(text)
-  if not 0 < hours < float('inf'):
-    raise argparse.ArgumentTypeError(f'{text} must be a number of hours > 0')
-  return hours
-
-
 def _regex(text: str):
   try:
     return re.compile(text)
@@ -415,13 +402,13 @@ def main():
     p = sub.add_parser(name)
     p.add_argument('--out', default='runs/fidelity')
     if name in ('grid', 'figures'):
-      p.add_argument('--hours', type=_hours, default=4.0,
+      p.add_argument('--hours', type=cli_types.positive_float, default=4.0,
                      help='start no run after this many hours')
       p.add_argument('--only', default='', type=_regex,
                      help='regex on "axis=value method" (grid) or on the '
                      'run name (figures)')
     if name == 'grid':
-      p.add_argument('--seeds', type=_seeds, default=ALL_SEEDS,
+      p.add_argument('--seeds', type=cli_types.seeds, default=ALL_SEEDS,
                      help='comma-separated seeds to run')
     if name in ('report', 'targets'):
       p.add_argument('--allow-fewer', action='store_true',

@@ -23,6 +23,7 @@ import os
 import re
 import time
 
+import cli_types
 import fidelity  # puts the repository on sys.path
 import fidelity_report
 import fidelity_variants
@@ -91,14 +92,20 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('cmd', choices=('run', 'table'))
   parser.add_argument('--out', default='runs/fidelity')
-  parser.add_argument('--scales', default='0.25,2,4')
-  parser.add_argument('--seeds', default='1,4')
-  parser.add_argument('--hours', type=float, default=1.0,
-                      help='start no run after this many hours')
+  parser.add_argument('--scales', default=(0.25, 2.0, 4.0),
+                      type=cli_types.positive_floats,
+                      help='comma-separated noise scales kappa > 0 (run)')
+  parser.add_argument('--seeds', default=(1, 4), type=cli_types.seeds,
+                      help='comma-separated seeds (run)')
+  parser.add_argument('--hours', type=cli_types.positive_float, default=1.0,
+                      help='start no run after this many hours (run)')
   args = parser.parse_args()
   if args.cmd == 'run':
-    run(args.out, tuple(float(x) for x in args.scales.split(',')),
-        tuple(int(x) for x in args.seeds.split(',')), args.hours)
+    run(args.out, args.scales, args.seeds, args.hours)
+  elif not fidelity_report.load_grid(args.out).get(('base', ''), {}).get(
+      'AdamS'):
+    parser.error(f'--out {args.out!r}: no AdamS runs of the grid there '
+                 '(bench/fidelity.py grid makes them)')
   else:
     print(table(args.out))
 

@@ -18,7 +18,7 @@ abstract shapes, as `train.py --dry-run` does, and reported:
   P those of the largest layer, here the largest parameter leaf), and for
   Algorithm 2 with offload the issue's target 2W + 4W/N + W/4 + 10P (bf16
   parameters, m split, masks, buffers);
-* with `--compile` (the default), the compiled step's memory analysis:
+* unless `--no-compile`, the compiled step's memory analysis:
   device bytes (arguments + outputs + temporaries - aliased) and that figure
   without the host-placed state, which XLA's CPU compiler keeps in its one
   memory (`train.program.memory_report`).
@@ -134,24 +134,45 @@ def markdown(rows) -> str:
   return '\n'.join(lines)
 
 
+def _config_or_usage_error(p, name: str, mode: str):
+  """make_config(name, mode), checked against the simulated devices."""
+  if not os.path.isfile(os.path.join(ROOT, 'configs', f'{name}.py')):
+    names = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, 'configs'))
+                   if f.endswith('.py') and not f.startswith('_'))
+    p.error(f'--configs {name!r}: no configs/{name}.py; allowed: '
+            f'{", ".join(names)}')
+  try:
+    cfg = make_config(name, mode)
+    program_lib.model_config(cfg)
+  except config_lib.ConfigError as e:
+    p.error(f'{name} {mode}: {e}')
+  need, have = trainer.required_devices(cfg), jax.device_count()
+  if need and need > have:
+    p.error(f'{name} {mode}: the mesh needs {need} devices, and '
+            f'{have} are simulated here (XLA_FLAGS)')
+  return cfg
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  p.add_argument('--configs', nargs='+', default=list(CONFIGS))
+  p.add_argument('--configs', nargs='+', default=list(CONFIGS),
+                 help='names of configs/*.py (default: '
+                 f'{" ".join(CONFIGS)})')
   p.add_argument('--modes', nargs='+', default=list(MODES),
                  choices=list(MODES))
   p.add_argument('--no-compile', dest='compile', action='store_false',
                  help='bytes from the shardings only (seconds, not minutes)')
   p.add_argument('--out', default=OUT)
   args = p.parse_args(argv)
+  configs = {(name, mode): _config_or_usage_error(p, name, mode)
+             for name in args.configs for mode in args.modes}
   t0 = time.perf_counter()
   rows = []
-  for name in args.configs:
-    for mode in args.modes:
-      row = dict(config=name, mode=mode,
-                 **measure(make_config(name, mode), args.compile))
-      rows.append(row)
-      print(f'{name} {mode}: device {row["state_device_bytes"] / MB:,.0f} MB'
-            f', host {row["state_host_bytes"] / MB:,.0f} MB', flush=True)
+  for (name, mode), cfg in configs.items():
+    row = dict(config=name, mode=mode, **measure(cfg, args.compile))
+    rows.append(row)
+    print(f'{name} {mode}: device {row["state_device_bytes"] / MB:,.0f} MB'
+          f', host {row["state_host_bytes"] / MB:,.0f} MB', flush=True)
   command = ' '.join(['python', 'bench/memory_table.py'] +
                      (sys.argv[1:] if argv is None else list(argv)))
   meta = {'command': command, 'jax': jax.__version__, 'workers': WORKERS,

@@ -49,6 +49,9 @@ import threading
 import time
 from typing import Optional, Sequence
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cli_types  # noqa: E402  pylint: disable=g-import-not-at-top
+
 PREFIX = 'scapenet'
 SUBNET = '10.200.0'  # a private test range; worker i is SUBNET.(HOST0 + i)
 HOST0 = 10
@@ -526,15 +529,15 @@ def main(argv=None) -> None:
   sub.add_parser('cleanup', help='remove the namespaces of killed runs')
   s = sub.add_parser('sample', help='(internal) poll counters into a file')
   s.add_argument('--out', required=True)
-  s.add_argument('--interval', type=float, default=0.02)
+  s.add_argument('--interval', type=cli_types.positive_float, default=0.02)
   s.add_argument('devices', nargs='+')
   s = sub.add_parser('probe-server', help='(internal)')
   s.add_argument('--port', type=int, required=True)
   s = sub.add_parser('probe-client', help='(internal)')
   s.add_argument('--host', required=True)
   s.add_argument('--port', type=int, required=True)
-  s.add_argument('--pings', type=int, default=50)
-  s.add_argument('--bulk-s', type=float, default=2.0)
+  s.add_argument('--pings', type=cli_types.positive_int, default=50)
+  s.add_argument('--bulk-s', type=cli_types.positive_float, default=2.0)
   args = p.parse_args(argv)
   if args.cmd == 'cleanup':
     require_privileges()

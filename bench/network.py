@@ -66,6 +66,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [p for p in (ROOT, os.path.join(ROOT, 'bench'))
                 if p not in sys.path]
 
+import cli_types  # noqa: E402  pylint: disable=g-import-not-at-top
 import netlab  # noqa: E402  pylint: disable=g-import-not-at-top
 import network_outer  # noqa: E402  pylint: disable=g-import-not-at-top
 import network_report  # noqa: E402  pylint: disable=g-import-not-at-top
@@ -428,15 +429,16 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(
       description=__doc__.split('\n\n')[0],
       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-  p.add_argument('--workers', type=int, default=4)
+  p.add_argument('--workers', type=cli_types.positive_int, default=4,
+                 help='processes, one namespace each (>= 2)')
   p.add_argument('--profiles', nargs='+', default=list(PROFILES),
                  choices=list(PROFILES))
   p.add_argument('--methods', nargs='+', default=list(METHODS),
                  choices=list(METHODS))
-  p.add_argument('--per-worker-batch', type=int, default=1,
-                 help='sequences per worker per step (seq_len 128)')
-  p.add_argument('--steps', type=int, default=12)
-  p.add_argument('--warmup', type=int, default=3,
+  p.add_argument('--per-worker-batch', type=cli_types.positive_int,
+                 default=1, help='sequences per worker per step (seq_len 128)')
+  p.add_argument('--steps', type=cli_types.positive_int, default=12)
+  p.add_argument('--warmup', type=cli_types.non_negative_int, default=3,
                  help='steps left out of the timing and the byte count')
   p.add_argument('--set', nargs='*', default=[], metavar='KEY=VALUE',
                  help='change a shared config key for every run')
@@ -445,9 +447,11 @@ def parse_args(argv=None):
   p.add_argument('--require-delay', action='store_true',
                  help='stop if the kernel cannot add the links\' delay '
                  '(no sch_netem) instead of running rate-only')
-  p.add_argument('--job-timeout', type=float, default=900.0,
+  p.add_argument('--job-timeout', type=cli_types.positive_float,
+                 default=900.0,
                  help='seconds per job before it is killed')
-  p.add_argument('--max-minutes', type=float, default=75.0,
+  p.add_argument('--max-minutes', type=cli_types.positive_float,
+                 default=75.0,
                  help='the whole run\'s limit: a job is cut at it, later ones '
                  'are skipped and reported as such')
   p.add_argument('--run-dir', default=os.path.join(ROOT, 'runs', 'network'))
@@ -457,6 +461,9 @@ def parse_args(argv=None):
                  help='rewrite the report from the files in --run-dir '
                  '(no root needed)')
   args = p.parse_args(argv)
+  if args.workers < 2:
+    p.error(f'--workers {args.workers}: at least 2 (the N=1 reference runs '
+            'anyway, unless --no-reference)')
   if args.steps <= args.warmup + 1:
     p.error(f'--steps {args.steps} must exceed --warmup {args.warmup} + 1')
   args.start = time.monotonic()  # --max-minutes counts from here
@@ -466,7 +473,22 @@ def parse_args(argv=None):
     if not sep:
       p.error(f'--set {item!r}: expected KEY=VALUE')
     args.shared[key] = value
+  if not args.report_only:
+    _check_configs(p, args)
   return args
+
+
+def _check_configs(p, args) -> None:
+  """Usage errors for a --set key or a worker count that a job's config
+  would refuse, before any namespace is built."""
+  from scape_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  for label in args.methods:
+    try:
+      config_lib.load(None, config_args(job_overrides(
+          METHODS[label], args.shared, args.workers, args.per_worker_batch,
+          args.steps, 'data', 'out')))
+    except ValueError as e:  # ConfigError included
+      p.error(f'{label}: {e}')
 
 
 def prepare_data(run_dir: str) -> str:

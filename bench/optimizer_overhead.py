@@ -56,6 +56,7 @@ from typing import NamedTuple, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 import jax  # noqa: E402
@@ -63,6 +64,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import cli_types  # noqa: E402
 import models  # noqa: E402
 import scape_jax  # noqa: E402
 from scape_jax.comm import masks  # noqa: E402
@@ -375,13 +377,13 @@ def markdown(rows) -> str:
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  p.add_argument('--trees', nargs='+', default=list(TREES),
-                 choices=list(TREES))
-  p.add_argument('--densities', nargs='+', type=float,
+  p.add_argument('--trees', nargs='+', default=None, choices=list(TREES),
+                 help=f'default: {" ".join(TREES)} (llama-tiny with --quick)')
+  p.add_argument('--densities', nargs='+', type=cli_types.density,
                  default=[1.0, 0.1, 0.01])
-  p.add_argument('--repeats', type=int, default=None,
+  p.add_argument('--repeats', type=cli_types.positive_int, default=None,
                  help='timed samples per method (default: 21 tiny, 5 large)')
-  p.add_argument('--number', type=int, default=None,
+  p.add_argument('--number', type=cli_types.positive_int, default=None,
                  help='calls per sample (default: 20 tiny, 1 large)')
   p.add_argument('--selects', nargs='+', default=['auto'],
                  choices=topk.SELECTS,
@@ -395,13 +397,17 @@ def main(argv=None):
                  help="also time Radius's sparse and resample steps at each "
                  "density < 1 (the resample with select='sort' too)")
   p.add_argument('--quick', action='store_true',
-                 help='a smoke run: llama-tiny only, 3 samples of 2 calls')
+                 help='a smoke run: llama-tiny, 3 samples of 2 calls (for '
+                 'the options not given)')
   p.add_argument('--out', default=None,
                  help=f'output folder (default {OUT}; runs/ with --quick)')
   args = p.parse_args(argv)
-  if args.quick:
-    args.trees, args.repeats, args.number = ['llama-tiny'], 3, 2
-  args.out = args.out or (QUICK_OUT if args.quick else OUT)
+  if args.quick:  # the smoke settings fill in what was not given
+    args.trees = args.trees or ['llama-tiny']
+    args.repeats, args.number = args.repeats or 3, args.number or 2
+  args.trees = args.trees or list(TREES)
+  args.out = cli_types.check_out_dir(
+      p, args.out or (QUICK_OUT if args.quick else OUT))
   t0 = time.perf_counter()
   platform = topk.backend_platform()
   print(f'jax {jax.__version__} on {platform} ({os.cpu_count()} CPU cores, '
@@ -412,7 +418,6 @@ def main(argv=None):
     rows += bench_tree(name, args.densities, args.repeats, args.number,
                        args.selects, args.donate, args.radius)
   elapsed = time.perf_counter() - t0
-  os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, 'optimizer_overhead.csv'), 'w',
             newline='') as f:
     w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -40,7 +40,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+import cli_types  # noqa: E402
 
 OUT = os.path.join(ROOT, 'docs', 'bench')
 # (name, bandwidth in Gb/s, alpha in microseconds).
@@ -173,19 +176,25 @@ def compute_time(args, params: int) -> tuple:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--model', default='llama500m')
-  p.add_argument('--workers', type=int, default=32)
+  p.add_argument('--workers', type=cli_types.positive_int, default=32)
   p.add_argument('--comm-json',
                  default=os.path.join(OUT, 'comm_volume.json'))
-  p.add_argument('--compute-ms', type=float, default=None,
+  p.add_argument('--compute-ms', type=cli_types.non_negative_float,
+                 default=None,
                  help='forward+backward time per step, e.g. measured on a GPU')
-  p.add_argument('--effective-tflops', type=float, default=None,
+  p.add_argument('--effective-tflops', type=cli_types.positive_float,
+                 default=None,
                  help='FLOP estimate: 6 * params * tokens / this')
-  p.add_argument('--tokens-per-worker', type=int, default=None)
-  p.add_argument('--micro-batch', type=int, default=1)
-  p.add_argument('--seq-len', type=int, default=128)
+  p.add_argument('--tokens-per-worker', type=cli_types.positive_int,
+                 default=None)
+  p.add_argument('--micro-batch', type=cli_types.positive_int, default=1)
+  p.add_argument('--seq-len', type=cli_types.positive_int, default=128)
   p.add_argument('--tag', default=None, help='output file suffix')
   p.add_argument('--out', default=OUT)
   args = p.parse_args(argv)
+  if not os.path.isfile(args.comm_json):
+    p.error(f'--comm-json {args.comm_json!r}: no such file; '
+            'bench/comm_volume.py writes it')
   with open(args.comm_json) as f:
     data = json.load(f)
   rows = find_rows(data['rows'], args.model, args.workers)

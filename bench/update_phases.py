@@ -28,6 +28,7 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+import cli_types  # noqa: E402
 import optimizer_overhead as overhead  # noqa: E402
 import scape_jax  # noqa: E402
 from scape_jax.comm import masks  # noqa: E402
@@ -103,10 +104,11 @@ def phases(params, grads, state, density: float) -> dict:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--tree', default='llama-100m', choices=list(overhead.TREES))
-  p.add_argument('--density', type=float, default=0.1)
-  p.add_argument('--repeats', type=int, default=7)
+  p.add_argument('--density', type=cli_types.density, default=0.1)
+  p.add_argument('--repeats', type=cli_types.positive_int, default=7)
   p.add_argument('--out', default=OUT)
   args = p.parse_args(argv)
+  cli_types.check_out_dir(p, args.out)
   params, grads = overhead.param_tree(args.tree)
   table = overhead.methods([args.density])
   label = f'scape d={args.density:g}'
@@ -137,7 +139,6 @@ def main(argv=None):
     lines.append(f'| {k} | {1e3 * med:.1f} | {med / base:.2f}x |')
   text = '\n'.join(lines) + '\n'
   print(text)
-  os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, f'update_phases_{args.tree}_d{args.density:g}.md')
   with open(path, 'w') as f:
     f.write(text)

@@ -23,6 +23,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'bench'))
+import cli_types  # noqa: E402
 import optimizer_overhead as oo  # noqa: E402  (sets JAX_PLATFORMS=cpu)
 
 import jax  # noqa: E402
@@ -32,15 +33,25 @@ _WRAPPERS = ('ThunkExecutor', '$', 'Pjit', 'Common', 'Parse', 'Alloc',
              'Handle', 'PjRt', 'Thunk')
 
 
-def profile(tree: str, label: str, calls: int, out: str) -> list:
-  """[(name, ms per call, events per call)], the largest first."""
-  params, grads = oo.param_tree(tree)
-  density = float(label.split('d=')[1].split()[0]) if 'd=' in label else 1.0
-  select = label.split('select=')[1] if 'select=' in label else 'auto'
-  table = oo.methods([density], (select,))
+def method(label: str):
+  """optimizer_overhead's method called `label`, or SystemExit saying why."""
+  try:
+    density = cli_types.density(
+        label.split('d=')[1].split()[0]) if 'd=' in label else 1.0
+    select = label.split('select=')[1] if 'select=' in label else 'auto'
+    table = oo.methods([density], (select,))
+  except (ValueError, argparse.ArgumentTypeError) as e:
+    raise SystemExit(f'--method {label!r}: {e}') from None
   if label not in table:
     raise SystemExit(f'--method {label!r}; allowed: {sorted(table)}')
-  prepared = oo.prepare(table[label], params, grads)
+  return table[label]
+
+
+def profile(tree: str, label: str, calls: int, out: str) -> list:
+  """[(name, ms per call, events per call)], the largest first."""
+  m = method(label)
+  params, grads = oo.param_tree(tree)
+  prepared = oo.prepare(m, params, grads)
   fn, state = prepared.fn, prepared.state
   with tempfile.TemporaryDirectory() as tmp:
     with jax.profiler.trace(tmp, create_perfetto_trace=True):
@@ -67,11 +78,12 @@ def main(argv=None):
   p.add_argument('--method', default='scape d=0.1',
                  help="a label of optimizer_overhead.methods, e.g. 'adams', "
                  "'scape d=0.01 select=sort'")
-  p.add_argument('--calls', type=int, default=3)
-  p.add_argument('--top', type=int, default=40)
+  p.add_argument('--calls', type=cli_types.positive_int, default=3)
+  p.add_argument('--top', type=cli_types.positive_int, default=40,
+                 help='how many ops to list, the slowest first')
   p.add_argument('--out', default=os.path.join(ROOT, 'runs', 'profile'))
   args = p.parse_args(argv)
-  os.makedirs(args.out, exist_ok=True)
+  cli_types.check_out_dir(p, args.out)
   rows = profile(args.tree, args.method, args.calls, args.out)
   lines = [f'# {args.method} on {args.tree}, jax {jax.__version__} on '
            f'{jax.devices()[0].device_kind}; per call, {args.calls} calls',

@@ -20,7 +20,10 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+import cli_types  # noqa: E402
 
 
 def main(argv=None):
@@ -29,9 +32,14 @@ def main(argv=None):
                  help='the folder holding scape_jax/ and models/')
   p.add_argument('--select', default=None,
                  help="SCAPE's select= (omitted: the version's default)")
-  p.add_argument('--densities', nargs='+', type=float,
+  p.add_argument('--densities', nargs='+', type=cli_types.density,
                  default=[1.0, 0.1, 0.01])
   args = p.parse_args(argv)
+  missing = [d for d in ('scape_jax', 'models')
+             if not os.path.isdir(os.path.join(args.src, d))]
+  if missing:
+    where = ' or '.join(d + '/' for d in missing)
+    p.error(f'--src {args.src!r}: no {where} there')
   sys.path.insert(0, os.path.abspath(args.src))
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -50,8 +58,11 @@ def main(argv=None):
   print(f'scape_jax from {scape_jax.__file__}; jax {jax.__version__} on '
         f'{jax.devices()[0].platform}; {n / 1e6:.2f}M parameters')
   for d in args.densities:
-    tx = scape_jax.scape(1e-3, density=d, b1=0.9, b2=0.95, weight_decay=0.1,
-                         axis_name=None, **extra)
+    try:
+      tx = scape_jax.scape(1e-3, density=d, b1=0.9, b2=0.95,
+                           weight_decay=0.1, axis_name=None, **extra)
+    except (TypeError, ValueError) as e:  # a select this version lacks
+      p.error(f'--select {args.select!r}: {e}')
     level = scape_jax.DensitySchedule(d, 0).level(1)
     state = jax.eval_shape(tx.init, params)
     update = jax.jit(functools.partial(tx.update, density_level=level))

@@ -13,7 +13,6 @@ docs/bench/wire_fidelity.json.
   python bench/wire_fidelity.py [--steps 300]
 """
 
-import argparse
 import json
 import os
 import sys
@@ -94,18 +93,17 @@ def section(results: list, checks: dict, steps: int) -> list:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--steps', type=int, default=300)
-  parser.add_argument('--out', default='runs/wire_fidelity')
-  args = parser.parse_args()
+  args = convergence.arguments(__doc__.split('\n')[0], 'wire_fidelity')
   results = runs(args.steps, args.out)
   checks = verdict(results)
-  os.makedirs('docs/bench', exist_ok=True)
-  with open('docs/bench/wire_fidelity.json', 'w') as f:
+  os.makedirs(os.path.join(convergence.DOCS, 'bench'), exist_ok=True)
+  with open(os.path.join(convergence.DOCS, 'bench', 'wire_fidelity.json'),
+            'w') as f:
     json.dump({'steps': args.steps, 'checks': checks, 'runs': results}, f,
               indent=1)
   lines = section(results, checks, args.steps)
-  results_md.replace_section('docs/results.md', 'wire', lines)
+  results_md.replace_section(os.path.join(convergence.DOCS, 'results.md'),
+                             'wire', lines)
   print('\n'.join(lines))
 
 

@@ -22,8 +22,9 @@ checked against the field's type.
 The optimizer section holds the keys every method shares, plus one
 sub-section per method with its own keys (`optimizer.scape.density`), taken
 from the method registry (`scape_jax.train.methods`). Only the section of the
-method named by `optimizer.name` is used and range-checked, so that changing
-that one line switches methods.
+method named by `optimizer.name` is used, so that changing that one line
+switches methods; every section is range-checked, so a bad value waiting in
+another method's section is reported now, not when a run switches to it.
 """
 
 import dataclasses

@@ -1,0 +1,181 @@
+"""The bench scripts' command lines: a bad value is a usage error (exit 2,
+naming the option and the value) before any work, never a traceback after
+minutes of compiling, a silent default or an empty table."""
+
+import argparse
+import importlib
+import os
+import re
+import sys
+
+import jax
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, 'bench'))
+
+cli_types = importlib.import_module('cli_types')
+
+
+@pytest.mark.parametrize('fn, text, want', [
+    ('positive_int', '3', 3), ('non_negative_int', '0', 0),
+    ('positive_float', '0.5', 0.5), ('non_negative_float', '0', 0.0),
+    ('density', '1', 1.0), ('density', '1e-3', 1e-3),
+    ('seeds', '0,1,4', (0, 1, 4)), ('positive_floats', '0.25,2', (0.25, 2.0)),
+])
+def test_types_accept(fn, text, want):
+  assert getattr(cli_types, fn)(text) == want
+
+
+@pytest.mark.parametrize('fn, text, message', [
+    ('positive_int', '0', 'must be an integer >= 1'),
+    ('positive_int', '1.5', 'is not an integer'),
+    ('non_negative_int', '-1', 'must be an integer >= 0'),
+    ('positive_float', '0', 'must be > 0'),
+    ('positive_float', 'inf', 'must be finite'),
+    ('non_negative_float', 'nan', 'must be finite'),
+    ('non_negative_float', '-50', 'must be >= 0'),
+    ('density', '0', 'must be in (0, 1]'), ('density', '1.5', '(0, 1]'),
+    ('density', 'abc', 'is not a number'),
+    ('seeds', '1,a', 'comma-separated'), ('seeds', '-1', 'must be >= 0'),
+    ('positive_floats', '1,-1', 'must be > 0'),
+])
+def test_types_refuse(fn, text, message):
+  with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
+    getattr(cli_types, fn)(text)
+
+
+def _main(module, entry='main'):
+  return getattr(importlib.import_module(module), entry)
+
+
+@pytest.fixture(name='a_file')
+def _a_file(tmp_path):
+  path = tmp_path / 'a_file'
+  path.write_text('')
+  return str(path)
+
+
+# (module, entry, argv, what stderr says). {file} is a regular file, {missing}
+# a path that does not exist.
+USAGE_ERRORS = [
+    ('optimizer_overhead', 'main', ['--repeats', '0'],
+     'argument --repeats: 0: must be an integer >= 1'),
+    ('optimizer_overhead', 'main', ['--number', '-1'], 'argument --number'),
+    ('optimizer_overhead', 'main', ['--densities', '0'], 'density 0.0'),
+    ('optimizer_overhead', 'main', ['--quick', '--out', '{file}/x'],
+     'cannot create it'),
+    ('update_profile', 'main', ['--calls', '0'], 'argument --calls'),
+    ('update_profile', 'main', ['--top', '0'], 'argument --top'),
+    ('update_phases', 'main', ['--repeats', '0'], 'argument --repeats'),
+    ('update_temps', 'main', ['--src', '{missing}'],
+     'no scape_jax/ or models/ there'),
+    ('update_temps', 'main', ['--densities', 'nan'], 'must be finite'),
+    ('projected_step_time', 'main', ['--compute-ms', '-50'],
+     'argument --compute-ms: -50.0: must be >= 0'),
+    ('projected_step_time', 'main', ['--compute-ms', 'nan'], 'must be finite'),
+    ('projected_step_time', 'main',
+     ['--effective-tflops', '0', '--tokens-per-worker', '1000'],
+     'argument --effective-tflops: 0.0: must be > 0'),
+    ('projected_step_time', 'main',
+     ['--compute-ms', '1', '--comm-json', '{missing}'], 'no such file'),
+    ('comm_volume', 'main', ['--no-outer', '--outer-only'],
+     'not allowed with argument --no-outer'),
+    ('comm_volume', 'main', ['--outer-only', '--workers', '4'],
+     'nothing to measure: --outer-only needs'),
+    ('comm_volume', 'main',
+     ['--models', 'bogus', '--workers', '2', '--methods', 'adamw'],
+     "unknown model 'bogus'"),
+    ('comm_volume', 'main',
+     ['--models', 'llama-tiny', '--workers', '64', '--methods', 'adamw'],
+     f'--workers 64: at most {jax.device_count()}'),
+    ('memory_table', 'main', ['--configs', 'bogus', '--no-compile'],
+     'no configs/bogus.py; allowed: gpt345m'),
+    ('memory_table', 'main',
+     ['--configs', 'gpt345m', '--modes', 'scape', '--no-compile'],
+     f'devices, and {jax.device_count()} are simulated'),
+    ('fcdp_volume', 'main', ['--models', 'bogus'], "invalid choice: 'bogus'"),
+    ('eval_downstream', 'main', ['--run', '{missing}', '--limit', '0'],
+     'leave --limit out for every example'),
+    ('netlab', 'main',
+     ['probe-client', '--host', 'h', '--port', '1', '--pings', '0'],
+     'argument --pings'),
+    ('netlab', 'main', ['sample', '--out', '{missing}', '--interval', '-1',
+                        'lo'], 'argument --interval'),
+    ('network', 'parse_args', ['--set', 'optimzer.lr=1'],
+     "unknown config key 'optimzer'"),
+    ('network', 'parse_args', ['--workers', '1'], '--workers 1: at least 2'),
+    ('network', 'parse_args', ['--warmup', '-3'], 'argument --warmup'),
+    ('network', 'parse_args', ['--job-timeout', '-5'],
+     'argument --job-timeout'),
+    ('network', 'parse_args', ['--workers', '3', '--methods', 'DiLoCo'],
+     'do not split into mesh.replica=2'),
+]
+
+
+@pytest.mark.parametrize('module, entry, argv, message', USAGE_ERRORS)
+def test_bad_values_are_usage_errors(module, entry, argv, message, a_file,
+                                     tmp_path, capsys, monkeypatch):
+  # comm_volume and fcdp_volume add a compile flag to XLA_FLAGS: keep it out
+  # of the other tests' subprocesses.
+  monkeypatch.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', ''))
+  fill = {'file': a_file, 'missing': str(tmp_path / 'missing')}
+  argv = [a.format(**fill) for a in argv]
+  with pytest.raises(SystemExit) as e:
+    _main(module, entry)(argv)
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['table', '--out', '{missing}'], 'no AdamS runs of the grid there'),
+    (['run', '--scales=-1,nan', '--out', '{missing}'], 'argument --scales'),
+    (['run', '--seeds', '1,x', '--out', '{missing}'], 'argument --seeds'),
+])
+def test_fidelity_temper_refuses(argv, message, tmp_path, capsys,
+                                 monkeypatch):
+  argv = [a.format(missing=str(tmp_path / 'missing')) for a in argv]
+  monkeypatch.setattr(sys, 'argv', ['fidelity_temper.py', *argv])
+  with pytest.raises(SystemExit) as e:
+    _main('fidelity_temper')()
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_convergence_and_wire_fidelity_write_docs_of_this_checkout(
+    monkeypatch, capsys):
+  convergence = importlib.import_module('convergence')
+  assert convergence.DOCS == os.path.join(ROOT, 'docs')
+  monkeypatch.setattr(sys, 'argv', ['convergence.py'])
+  assert convergence.arguments('', 'x').out == os.path.join(ROOT, 'runs', 'x')
+  monkeypatch.setattr(sys, 'argv', ['convergence.py', '--steps', '0'])
+  with pytest.raises(SystemExit):
+    convergence.arguments('', 'x')
+  assert 'argument --steps' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('label, message', [
+    ('scape d=abc', "'abc' is not a number"),
+    ('scape d=0', 'density 0.0: must be in (0, 1]'),
+    ('scape d=0.1 select=bogus', "select='bogus'"),
+    ('nope', 'allowed:'),
+])
+def test_update_profile_names_a_bad_method(label, message):
+  with pytest.raises(SystemExit, match=re.escape(message)):
+    _main('update_profile', 'method')(label)
+
+
+def _tiny_tree(name, seed=0):
+  del name
+  keys = jax.random.split(jax.random.key(seed), 2)
+  return tuple({'w': scale * jax.random.normal(k, (64, 48))}
+               for scale, k in zip((0.02, 1e-3), keys))
+
+
+def test_quick_keeps_the_options_given(tmp_path, monkeypatch):
+  oo = importlib.import_module('optimizer_overhead')
+  monkeypatch.setattr(oo, 'param_tree', _tiny_tree)
+  rows = oo.main(['--quick', '--repeats', '4', '--densities', '1', '--out',
+                  str(tmp_path)])
+  assert {(r['tree'], r['repeats'], r['number']) for r in rows} == {
+      ('llama-tiny', 4, 2)}
