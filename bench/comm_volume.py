@@ -61,7 +61,6 @@ import argparse
 import concurrent.futures as cf
 import csv
 import json
-import math
 import multiprocessing
 import os
 import sys
@@ -90,6 +89,7 @@ from comm_analytic import dense_bytes, demo_bytes, radius_bytes  # noqa: E402
 from comm_analytic import HALF_WIRE, scape_analytic  # noqa: E402
 from comm_analytic import resolved_name, scape_bytes  # noqa: E402
 import cli_types  # noqa: E402
+import comm_volume_plot  # noqa: E402
 
 MODELS = ('llama-tiny', 'gpt345m', 'llama500m', 'llama1.8b')
 WORKERS = (8, 32)
@@ -410,73 +410,6 @@ def write_outer(rows, out: str, command: str) -> None:
   print(table)
 
 
-def plot(rows, path: str) -> None:
-  """Bytes per step vs density on PLOT_MODEL at PLOT_N: SCAPE's encodings,
-  Radius (sparse step and period average) and DeMo (density = coefficients
-  sent per worker / parameters); analytic lines, measured markers."""
-  import matplotlib
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
-  import numpy as np
-  pts = [r for r in rows if (r['model'], r['N']) == (PLOT_MODEL, PLOT_N)]
-  dense = next(r for r in pts if r['method'] == 'adamw')
-  shapes = [tuple(s) for s in dense['shapes']]
-  grid = np.logspace(-3, 0, 121)
-  fig, ax = plt.subplots(figsize=(7.5, 5))
-  ax.axhline(dense['measured_bytes'] / 1e6, color='k', lw=1.2,
-             label='dense AdamW (measured)')
-  styles = {'bitmap': ('C0', 'o'), 'indices': ('C1', 's'), 'auto': ('C2', 'x'),
-            'bf16': ('C5', 'P')}
-  for enc, (color, marker) in styles.items():
-    ax.plot(grid, [scape_analytic(shapes, PLOT_N, float(d), enc)['bytes'] / 1e6
-                   for d in grid], color=color, lw=1, alpha=0.7,
-            ls='--' if enc == 'auto' else '-', label=f'SCAPE {enc} (analytic)')
-    got = sorted((r['density'], r['measured_bytes']) for r in pts
-                 if r['method'] == 'scape' and r['encoding'] == enc)
-    ax.plot([d for d, _ in got], [b / 1e6 for _, b in got], ls='none',
-            marker=marker, color=color, ms=8 if marker == 'x' else 6,
-            mfc='none' if marker != 'x' else None,
-            label=f'SCAPE {enc} (measured, compiled HLO)')
-  _plot_radius(ax, pts, shapes, grid)
-  _plot_demo(ax, pts, shapes)
-  ax.set(xscale='log', yscale='log', xlabel='density d',
-         ylabel='MB sent per device per step (1 MB = 1e6 B)',
-         title=f'Bytes per step: {PLOT_MODEL}, N={PLOT_N}')
-  ax.grid(True, which='both', alpha=0.3)
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-
-
-def _plot_radius(ax, pts, shapes, grid) -> None:
-  for key, ls, color in (('sparse', '-', 'C3'), ('period', ':', 'C3')):
-    ax.plot(grid, [radius_bytes(shapes, PLOT_N, float(d))[key] / 1e6
-                   for d in grid], color=color, ls=ls, lw=1,
-            label=f'Radius {key} (analytic, T={RADIUS_INTERVAL})')
-    got = sorted((r['density'], r['measured_bytes']) for r in pts
-                 if r['method'] == 'radius' and
-                 r['variant'].split()[0] == key)
-    ax.plot([d for d, _ in got], [b / 1e6 for _, b in got], ls='none',
-            marker='^' if key == 'sparse' else 'v', color=color, mfc='none',
-            label=f'Radius {key} (measured)')
-
-
-def _plot_demo(ax, pts, shapes) -> None:
-  """DeMo at density = coefficients sent per worker / parameters."""
-  params = sum(math.prod(s) for s in shapes)
-  full = DEMO_CHUNK * DEMO_CHUNK
-  curve = [demo_bytes(shapes, PLOT_N, 2**i) for i in
-           range(int(math.log2(full)) + 1)]
-  ax.plot([c['entries'] / params for c in curve],
-          [c['bytes'] / 1e6 for c in curve], color='C4', lw=1,
-          label=f'DeMo s={DEMO_CHUNK}, k = 1..{full} (analytic)')
-  got = [(demo_bytes(shapes, PLOT_N, r['setting'])['entries'] / params,
-          r['measured_bytes']) for r in pts if r['method'] == 'demo']
-  ax.plot([d for d, _ in got], [b / 1e6 for _, b in got], ls='none',
-          marker='D', color='C4', mfc='none', label='DeMo (measured)')
-
-
 def _variant_order(variant) -> tuple:
   """Radius rows in step-kind order, the period last; others by name."""
   kind = (variant or '').split(' ')[0]
@@ -594,7 +527,7 @@ def main(argv=None):
     write_outer(outer_rows, args.out, command)
   if plotting:
     png = os.path.join(args.out, 'comm_vs_density.png')
-    plot(rows, png)
+    comm_volume_plot.plot(rows, png, PLOT_MODEL, PLOT_N)
     print(f'\nplot: {png}')
   incomplete = [label(r) for r in measured if not r['complete']]
   if incomplete:
