@@ -16,6 +16,7 @@ so the comparison is still exact.
 import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -191,3 +192,138 @@ def test_two_processes_match_one_process(optimizer, data_dir, tmp_path):
   # The final checkpoint was written jointly by both processes of run B.
   assert (out_b / 'ckpt' / str(STEPS)).is_dir(), sorted(out_b.rglob('*'))
   assert not (tmp_path / 'b1.log').read_text().count('Traceback')
+
+
+# ----------------------------------------------------------------------------
+# Faults on one process: every process must stop with the same verdict,
+# not wait forever for the other in a collective.
+
+
+def _start(commands: list, env: dict, cwd, timeout_s: float = 240) -> list:
+  """Runs `commands` at once; [(exit code, output)], None for one still
+  running at the limit (killed: the hang this section guards against)."""
+  procs = [subprocess.Popen(c, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+           for c in commands]
+  deadline = time.monotonic() + timeout_s
+  results = []
+  for p in procs:
+    try:
+      out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+      results.append((p.returncode, out))
+    except subprocess.TimeoutExpired:
+      p.kill()
+      results.append((None, p.communicate()[0]))
+  return results
+
+
+def _joined(i: int, coordinator: str) -> list:
+  return ['--coordinator', coordinator, '--num-processes', '2',
+          '--process-id', str(i)]
+
+
+@pytest.mark.parametrize('fault', ['config', 'data'])
+def test_a_fault_on_one_process_stops_both_with_exit_2(fault, data_dir,
+                                                       tmp_path):
+  # 'config': process 1 was given other steps. 'data': the corpus is prepared
+  # by process 0 into a per-host data_dir that process 1's host lacks.
+  coordinator = f'127.0.0.1:{_free_port()}'
+  commands = []
+  for i in range(2):
+    args = _config_args(data_dir, tmp_path / 'run', 'adamw')
+    if fault == 'config':
+      args.append(f'--config.steps={STEPS + 2 * i}')
+    else:
+      args += ['--config.data.corpus=synthetic',
+               f'--config.data.data_dir={tmp_path / f"host{i}"}']
+    commands.append([sys.executable, str(TRAIN), *_joined(i, coordinator),
+                     *args])
+  results = _start(commands, _env(1), tmp_path)
+  assert [rc for rc, _ in results] == [2, 2], results
+  for rc, out in results:
+    assert 'Traceback' not in out, out
+  if fault == 'config':
+    assert all('these keys differ: steps.' in out for _, out in results)
+  else:
+    assert 'must be on a shared filesystem' in results[1][1], results[1][1]
+    assert 'reading the data failed on process 1' in results[0][1]
+
+
+_RESTORE_SCRIPT = '''
+import sys
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+coordinator, pid, directory = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+jax.distributed.initialize(coordinator, 2, pid)
+from scape_jax.train import checkpoint
+sharding = NamedSharding(Mesh(np.array(jax.devices()), ('d',)),
+                         PartitionSpec('d'))
+x = jax.make_array_from_callback(
+    (8,), sharding, lambda i: np.arange(8, dtype=np.float32)[i])
+ckpt = checkpoint.Checkpointer(directory)
+ckpt.save(1, {'x': x})
+ckpt.wait()
+if pid == 1:  # this process's own shard of the state does not decode
+  read = ocp.CheckpointManager.restore
+  def damaged(self, step, args=None, **kw):
+    restored = read(self, step, args=args, **kw)
+    if 'state' in args:
+      raise OSError('ZSTD_decompressStream() failed')
+    return restored
+  ocp.CheckpointManager.restore = damaged
+try:
+  ckpt.restore(1, {'x': jax.ShapeDtypeStruct((8,), np.float32,
+                                             sharding=sharding)})
+  print('restored')
+except checkpoint.CorruptCheckpointError as e:
+  print('corrupt:', e)
+ckpt.close()
+'''
+
+
+def test_a_checkpoint_one_process_cannot_read_is_corrupt_on_both(tmp_path):
+  coordinator = f'127.0.0.1:{_free_port()}'
+  script = tmp_path / 'restore.py'
+  script.write_text(_RESTORE_SCRIPT)
+  results = _start([[sys.executable, str(script), coordinator, str(i),
+                     str(tmp_path / 'ckpt')] for i in range(2)], _env(1),
+                   tmp_path)
+  assert [rc for rc, _ in results] == [0, 0], results
+  assert 'corrupt: checkpoint' in results[1][1] and 'ZSTD' in results[1][1]
+  assert 'corrupt: reading checkpoint' in results[0][1], results[0][1]
+  assert 'failed on process 1' in results[0][1]
+
+
+def test_sigterm_during_set_up_stops_both_processes(data_dir, tmp_path):
+  # Before the train loop installs its handler, SIGTERM must stop the
+  # process as it does with one process (JAX's preemption notifier, on by
+  # default after jax.distributed.initialize, swallowed it).
+  coordinator = f'127.0.0.1:{_free_port()}'
+  logs = [tmp_path / f'p{i}.log' for i in range(2)]
+  files = [open(log, 'wb') for log in logs]  # pylint: disable=consider-using-with
+  procs = [subprocess.Popen(
+      [sys.executable, str(TRAIN), *_joined(i, coordinator),
+       *_config_args(data_dir, tmp_path / 'run', 'scape')],
+      env=_env(1), cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT)
+           for i, f in enumerate(files)]
+  try:
+    deadline = time.monotonic() + 120
+    while not all(b'[Gloo]' in log.read_bytes() for log in logs):
+      assert time.monotonic() < deadline, [log.read_text() for log in logs]
+      assert all(p.poll() is None for p in procs), [log.read_text()
+                                                    for log in logs]
+      time.sleep(0.1)
+    for p in procs:  # joined: the processes have exchanged data over gloo
+      p.send_signal(signal.SIGTERM)
+    codes = [p.wait(timeout=120) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+    for f in files:
+      f.close()
+  assert all(c in (-signal.SIGTERM, 128 + signal.SIGTERM) for c in codes), (
+      codes, [log.read_text() for log in logs])

@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from scape_jax.train import agreement
+
 PyTree = Any
 
 _ITEMS = ('state', 'extras', 'checksums')
@@ -392,12 +394,19 @@ class Checkpointer:
               abstract_state))
     else:
       state_args = ocp.args.StandardRestore(abstract_state)
-    try:
-      restored = manager.restore(step, args=ocp.args.Composite(
-          state=state_args, extras=ocp.args.JsonRestore()))
-    except Exception as e:  # pylint: disable=broad-except
-      raise CorruptCheckpointError(f'{where} is corrupt or unreadable: '
-                                   f'{_first_line(e)}') from e
+
+    def read():
+      try:
+        return manager.restore(step, args=ocp.args.Composite(
+            state=state_args, extras=ocp.args.JsonRestore()))
+      except Exception as e:  # pylint: disable=broad-except
+        raise CorruptCheckpointError(f'{where} is corrupt or unreadable: '
+                                     f'{_first_line(e)}') from e
+
+    # A process reads only its own shards: all must agree before the
+    # checksums' collective, or all go on to an older step together.
+    restored = agreement.together(read, f'reading {where}',
+                                  CorruptCheckpointError)
     problems = _check_sums(manifest, restored.state)
     if problems:
       raise CorruptCheckpointError(f'{where} is corrupt:{_limit(problems)}')

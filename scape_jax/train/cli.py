@@ -19,6 +19,7 @@ a signal after the last step lets the run finish and save (0).
 import argparse
 import os
 import sys
+import traceback
 
 EXIT_USAGE = 2  # a mistake in the config, the data or a checkpoint
 EXIT_DIVERGED = 3  # max_bad_steps non-finite steps in a row
@@ -94,8 +95,6 @@ def main(argv=None) -> int:
     return EXIT_USAGE
 
   from scape_jax import train as trainer  # pylint: disable=g-import-not-at-top
-  from scape_jax.train.checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
-  from scape_jax.data.prepare import CorpusError  # pylint: disable=g-import-not-at-top
   need = trainer.required_devices(cfg)
   flags = os.environ.get('XLA_FLAGS', '')
   if args.dry_run and need and 'host_platform_device_count' not in flags:
@@ -104,14 +103,56 @@ def main(argv=None) -> int:
         f'{flags} --xla_force_host_platform_device_count={need}').strip()
 
   import jax  # pylint: disable=g-import-not-at-top
-  if args.coordinator or args.distributed or _cluster_env():
-    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-    try:
-      jax.distributed.initialize(args.coordinator, args.num_processes,
-                                 args.process_id)
-    except ValueError as e:  # jax's checks of the process options
-      print(f'error: jax.distributed.initialize: {e}', file=sys.stderr)
+  joined = args.coordinator or args.distributed or _cluster_env()
+  if joined:
+    problem = _join(jax, args)
+    if problem:
+      print(f'error: jax.distributed.initialize: {problem}', file=sys.stderr)
       return EXIT_USAGE
+  try:
+    code = _run(args, cfg, need)
+  except BaseException:  # pylint: disable=broad-except
+    if not joined:
+      raise
+    traceback.print_exc()
+    code = 1
+  if joined and 0 < code < 128:  # not a stop on a signal, which all agreed
+    # A failure may be this process's alone, with the others waiting for it
+    # in a collective: jax's exit would wait for them at its shutdown
+    # barrier, forever. Leave now; the coordination service sees this
+    # process gone and stops the others.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # pylint: disable=protected-access
+  return code
+
+
+def _join(jax, args):
+  """jax.distributed.initialize from the options; a problem, or None."""
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  # JAX's preemption notifier would swallow SIGTERM until the train loop
+  # installs its own handler; without it SIGTERM during set-up stops the
+  # process, as it does with one process.
+  jax.config.update('jax_enable_preemption_service', False)
+  if args.coordinator and args.process_id is not None:
+    print(f'process {args.process_id} of {args.num_processes}: joining '
+          f'{args.coordinator} (waits up to 300 s for every process)',
+          file=sys.stderr, flush=True)
+  try:
+    jax.distributed.initialize(args.coordinator, args.num_processes,
+                               args.process_id)
+  except ValueError as e:  # jax's checks of the process options
+    return str(e)
+  return None
+
+
+def _run(args, cfg, need) -> int:
+  """Trains (or dry-runs) `cfg`; the exit code."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from scape_jax import train as trainer  # pylint: disable=g-import-not-at-top
+  from scape_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  from scape_jax.train.checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
+  from scape_jax.data.prepare import CorpusError  # pylint: disable=g-import-not-at-top
   try:
     if args.dry_run:
       devices = jax.devices()

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scape_jax import analysis
+from scape_jax.train import agreement
 from scape_jax.train import config as config_lib
 from scape_jax.train import guard
 from scape_jax.train import preemption
@@ -73,28 +74,41 @@ class _DataFeed:
   """The prepared corpus, the train iterator and the eval batches."""
 
   def __init__(self, cfg: config_lib.Config, program: Program):
-    from scape_jax.data import pipeline  # pylint: disable=g-import-not-at-top
     from scape_jax.data import prepare as prepare_lib  # pylint: disable=g-import-not-at-top
     self._program = program
     data_dir = _prepare_data(cfg)
-    meta = prepare_lib.load_meta(data_dir)
-    if meta['vocab_size'] > program.model_cfg.vocab_size:
+    self.iterator, local_eval = agreement.together(
+        lambda: self._open(cfg, data_dir), 'reading the data',
+        prepare_lib.CorpusError, catch=(config_lib.ConfigError, OSError))
+    self.eval_batches = [self._global(b) for b in local_eval]
+
+  def _open(self, cfg: config_lib.Config, data_dir: str) -> tuple:
+    """(train iterator, this process's eval batches); no collectives."""
+    from scape_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+    from scape_jax.data import prepare as prepare_lib  # pylint: disable=g-import-not-at-top
+    try:
+      meta = prepare_lib.load_meta(data_dir)
+    except FileNotFoundError as e:
+      raise prepare_lib.CorpusError(
+          f'{e}' + (' (process 0 prepared it: with several hosts, data_dir '
+                    'must be on a shared filesystem or prepared on every '
+                    'host)' if jax.process_count() > 1 else '')) from e
+    if meta['vocab_size'] > self._program.model_cfg.vocab_size:
       raise config_lib.ConfigError(
           f'the tokenizer has {meta["vocab_size"]} tokens but model '
           f'{program_lib.model_name(cfg)!r} only '
-          f'{program.model_cfg.vocab_size}.')
+          f'{self._program.model_cfg.vocab_size}.')
     d, rank, ranks = cfg.data, jax.process_index(), jax.process_count()
     try:
-      self.iterator = pipeline.train_iterator(
+      return (pipeline.train_iterator(
           data_dir, seq_len=d.seq_len, global_batch_size=d.batch_size,
-          seed=cfg.seed, process_index=rank, process_count=ranks)
-      local_eval = pipeline.eval_batches(
-          data_dir, seq_len=d.seq_len, batch_size=d.batch_size,
-          num_batches=cfg.eval_batches, process_index=rank,
-          process_count=ranks)
+          seed=cfg.seed, process_index=rank, process_count=ranks),
+              pipeline.eval_batches(
+                  data_dir, seq_len=d.seq_len, batch_size=d.batch_size,
+                  num_batches=cfg.eval_batches, process_index=rank,
+                  process_count=ranks))
     except ValueError as e:  # a corpus too small for these settings
       raise prepare_lib.CorpusError(f'data.corpus {d.corpus!r}: {e}') from e
-    self.eval_batches = [self._global(b) for b in local_eval]
 
   def _global(self, local: dict) -> dict:
     sharding = self._program.batch_sharding()
@@ -106,22 +120,28 @@ class _DataFeed:
 
 
 def _prepare_data(cfg: config_lib.Config) -> str:
-  """Prepares the corpus once (on process 0) and returns its directory."""
+  """Prepares the corpus once (on process 0) and returns its directory.
+
+  Every process waits for process 0 here, and all stop if it failed.
+  """
   from scape_jax.data import prepare as prepare_lib  # pylint: disable=g-import-not-at-top
   d = cfg.data
-  if os.path.exists(os.path.join(d.corpus, 'meta.json')):
-    return d.corpus  # an already prepared directory
   tok_name = os.path.splitext(os.path.basename(d.tokenizer))[0]
   name = os.path.basename(os.path.normpath(d.corpus))
   data_dir = d.data_dir or os.path.join('data', f'{name}-{tok_name}')
-  if jax.process_index() == 0:
+  if os.path.exists(os.path.join(d.corpus, 'meta.json')):
+    data_dir = d.corpus  # an already prepared directory
+
+  def prepare():
+    if jax.process_index() != 0 or data_dir == d.corpus:
+      return
     if d.corpus != 'synthetic':
       prepare_lib.prepare(d.corpus, d.tokenizer, data_dir)  # idempotent
     elif not os.path.exists(os.path.join(data_dir, 'meta.json')):
       prepare_lib.make_synthetic_corpus(data_dir, num_tokens=1 << 18)
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    multihost_utils.sync_global_devices('scape_jax data prepared')
+
+  agreement.together(prepare, 'preparing the data', prepare_lib.CorpusError,
+                     catch=(OSError,))
   return data_dir
 
 
@@ -265,7 +285,9 @@ def train(cfg: config_lib.Config, devices=None, *,
     allow_config_change: resume even if keys that change the computation
       differ from the checkpoint's config (`resume.check_config`).
   """
-  _check_out_dir(cfg.out_dir)
+  agreement.same_config(cfg)
+  agreement.together(lambda: _check_out_dir(cfg.out_dir), 'creating out_dir',
+                     config_lib.ConfigError)
   program = build_program(cfg, devices)
   feed = _DataFeed(cfg, program)
   ckpt = Checkpointer(os.path.join(cfg.out_dir, 'ckpt'))

@@ -1,0 +1,107 @@
+"""Processes decide together before they enter a collective.
+
+In a multi-process run every collective needs every process. A process that
+decides alone (its config differs, it cannot read its data or its shard of
+a checkpoint) goes one way while the others wait for it in a collective, and
+the job hangs with no message. Each function here all-gathers one small
+array, so every process sees every verdict and raises the same kind of
+error at the same point. With one process they cost nothing.
+"""
+
+import zlib
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+
+from scape_jax.train import config as config_lib
+
+# Keys that may differ between processes: per-host paths.
+PER_HOST_KEYS = ('data.data_dir',)
+
+
+def _all_gather(x: np.ndarray) -> np.ndarray:
+  """Every process's `x`, stacked along a new first axis."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return np.asarray(multihost_utils.process_allgather(x))
+
+
+def raise_together(error: Optional[Exception], what: str,
+                   kind: type = config_lib.ConfigError) -> None:
+  """Raises on every process if any process has an `error`.
+
+  Call it on every process at the same point. The process with the error
+  raises it; the others raise `kind` naming the processes that failed, so
+  that all of them take the same branch (exit, or try an older checkpoint).
+
+  Args:
+    error: this process's error, or None.
+    what: what was being done, for the others' message.
+    kind: the exception class the other processes raise.
+  """
+  if jax.process_count() == 1:
+    if error is not None:
+      raise error
+    return
+  failed = np.flatnonzero(_all_gather(np.int32(error is not None)))
+  if error is not None:
+    raise error
+  if failed.size:
+    raise kind(f'{what} failed on process{"es" if failed.size > 1 else ""} '
+               f'{", ".join(map(str, failed))} (its log says why)')
+
+
+def together(fn: Callable[[], Any], what: str, kind: type,
+             catch: tuple = ()) -> Any:
+  """Runs `fn` on every process; if it fails on any, raises on every one.
+
+  An exception of `kind` or `catch` from `fn` is shared through
+  `raise_together` (one of `catch` that is not a `kind` is raised as `kind`
+  with its message). `fn` itself must not enter a collective.
+
+  Returns:
+    What `fn` returned.
+  """
+  result, error = None, None
+  try:
+    result = fn()
+  except (kind, *catch) as e:  # pylint: disable=broad-except
+    error = e if isinstance(e, kind) else kind(f'{what}: {e}')
+    if error is not e:
+      error.__cause__ = e
+  raise_together(error, what, kind)
+  return result
+
+
+def _flat(d: dict, prefix: str = '') -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f'{prefix}{k}.'))
+    else:
+      out[f'{prefix}{k}'] = v
+  return out
+
+
+def same_config(cfg: config_lib.Config) -> None:
+  """Raises ConfigError on every process if the processes' configs differ.
+
+  Processes started with different settings (a stale override on one host,
+  another `steps`) would compute different programs and wait for each other
+  forever; their replicated parameters drift apart before that. Keys in
+  `PER_HOST_KEYS` may differ.
+  """
+  if jax.process_count() == 1:
+    return
+  flat = {k: v for k, v in sorted(_flat(config_lib.to_dict(cfg)).items())
+          if k not in PER_HOST_KEYS}
+  digests = np.array([zlib.crc32(repr(v).encode()) for v in flat.values()],
+                     np.uint32)
+  gathered = _all_gather(digests)
+  differ = [k for k, column in zip(flat, gathered.T)
+            if (column != column[0]).any()]
+  if differ:
+    raise config_lib.ConfigError(
+        'the processes were started with different configs; these keys '
+        f'differ: {", ".join(differ)}. Give every process the same config '
+        f'(only {", ".join(PER_HOST_KEYS)} may differ).')
