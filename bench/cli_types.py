@@ -25,36 +25,34 @@ def _number(text: str, kind):
   return value
 
 
+def _bounded(text: str, kind, low, strict: bool = False):
+  """`text` as `kind`, at least `low` (above it if `strict`)."""
+  value = _number(text, kind)
+  if value < low or (strict and value == low):
+    raise argparse.ArgumentTypeError(
+        f'{value}: must be {"an integer " if kind is int else ""}'
+        f'{">" if strict else ">="} {low}')
+  return value
+
+
 def positive_int(text: str) -> int:
   """An integer >= 1 (a count of samples, calls, workers, steps)."""
-  value = _number(text, int)
-  if value < 1:
-    raise argparse.ArgumentTypeError(f'{value}: must be an integer >= 1')
-  return value
+  return _bounded(text, int, 1)
 
 
 def non_negative_int(text: str) -> int:
   """An integer >= 0."""
-  value = _number(text, int)
-  if value < 0:
-    raise argparse.ArgumentTypeError(f'{value}: must be an integer >= 0')
-  return value
+  return _bounded(text, int, 0)
 
 
 def positive_float(text: str) -> float:
   """A finite number > 0."""
-  value = _number(text, float)
-  if value <= 0:
-    raise argparse.ArgumentTypeError(f'{value}: must be > 0')
-  return value
+  return _bounded(text, float, 0, strict=True)
 
 
 def non_negative_float(text: str) -> float:
   """A finite number >= 0."""
-  value = _number(text, float)
-  if value < 0:
-    raise argparse.ArgumentTypeError(f'{value}: must be >= 0')
-  return value
+  return _bounded(text, float, 0)
 
 
 def density(text: str) -> float:
