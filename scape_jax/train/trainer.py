@@ -129,11 +129,12 @@ def _prepare_data(cfg: config_lib.Config) -> str:
   tok_name = os.path.splitext(os.path.basename(d.tokenizer))[0]
   name = os.path.basename(os.path.normpath(d.corpus))
   data_dir = d.data_dir or os.path.join('data', f'{name}-{tok_name}')
-  if os.path.exists(os.path.join(d.corpus, 'meta.json')):
+  prepared = os.path.exists(os.path.join(d.corpus, 'meta.json'))
+  if prepared:
     data_dir = d.corpus  # an already prepared directory
 
   def prepare():
-    if jax.process_index() != 0 or data_dir == d.corpus:
+    if jax.process_index() != 0 or prepared:
       return
     if d.corpus != 'synthetic':
       prepare_lib.prepare(d.corpus, d.tokenizer, data_dir)  # idempotent
