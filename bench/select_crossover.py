@@ -30,6 +30,9 @@ import numpy as np  # noqa: E402
 
 from scape_jax.comm import topk  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cli_types  # noqa: E402
+
 CHUNKS = (16384, 73728, 589824, 786432, 3145728)
 
 
@@ -52,15 +55,14 @@ def main() -> None:
                  choices=[s for s in topk.SELECTS if s != 'auto'],
                  help='the selects to time; the ratio column is the first '
                  'over the second')
-  p.add_argument('--chunks', nargs='+', type=int, default=list(CHUNKS),
+  p.add_argument('--chunks', nargs='+', type=cli_types.positive_int,
+                 default=list(CHUNKS),
                  help='chunk sizes c (default: %(default)s)')
-  p.add_argument('--widths', nargs='+', type=int, default=[1000, 100, 32, 10],
+  p.add_argument('--widths', nargs='+', type=cli_types.positive_int,
+                 default=[1000, 100, 32, 10],
                  help='k = c // w for each w (default: %(default)s)')
   args = p.parse_args()
   selects = args.selects
-  bad = [v for v in args.chunks + args.widths if v < 1]
-  if bad:
-    p.error(f'--chunks and --widths must be positive integers, got {bad}.')
   if len(selects) < 2:
     p.error('--selects: name at least two selects to compare.')
   print(f'jax {jax.__version__} on {jax.default_backend()}; '

@@ -196,8 +196,9 @@ class _Passes(NamedTuple):
   keys >= each of the thresholds t (int32[P], summed over the chunk);
   `row_keys(r)` the keys of rows r (int32[n, ROW], `_FILL_KEY` for
   r >= rows); `emit(lo, hi, cut)` the packed words of the keys >= hi and of
-  those in [lo, hi) at offsets < cut. Keys are recomputed from the chunk in every pass rather than
-  stored: a pass then reads the chunk once and writes nothing of its size.
+  those in [lo, hi) at offsets < cut. Keys are recomputed from the chunk in
+  every pass rather than stored: a pass then reads the chunk once and writes
+  nothing of its size.
   """
   rows: int
   sample: Callable  # () -> int32[S], sampled keys, descending

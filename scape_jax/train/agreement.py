@@ -73,16 +73,6 @@ def together(fn: Callable[[], Any], what: str, kind: type,
   return result
 
 
-def _flat(d: dict, prefix: str = '') -> dict:
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, dict):
-      out.update(_flat(v, f'{prefix}{k}.'))
-    else:
-      out[f'{prefix}{k}'] = v
-  return out
-
-
 def same_config(cfg: config_lib.Config) -> None:
   """Raises ConfigError on every process if the processes' configs differ.
 
@@ -93,7 +83,7 @@ def same_config(cfg: config_lib.Config) -> None:
   """
   if jax.process_count() == 1:
     return
-  flat = {k: v for k, v in sorted(_flat(config_lib.to_dict(cfg)).items())
+  flat = {k: v for k, v in sorted(config_lib.flatten(config_lib.to_dict(cfg)).items())
           if k not in PER_HOST_KEYS}
   digests = np.array([zlib.crc32(repr(v).encode()) for v in flat.values()],
                      np.uint32)

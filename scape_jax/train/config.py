@@ -485,6 +485,18 @@ def to_dict(cfg: Config) -> dict[str, Any]:
   return dataclasses.asdict(cfg)
 
 
+def flatten(tree: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
+  """{'a': {'b': 1}} -> {'a.b': 1} (`to_dict`'s sections as dotted keys)."""
+  out = {}
+  for key, value in tree.items():
+    dotted = f'{prefix}{key}'
+    if isinstance(value, Mapping):
+      out.update(flatten(value, dotted + '.'))
+    else:
+      out[dotted] = value
+  return out
+
+
 def from_dict(d: Mapping[str, Any]) -> Config:
   """Inverse of `to_dict`; unknown keys raise, missing keys keep defaults."""
   cfg = Config()

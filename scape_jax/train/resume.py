@@ -63,18 +63,6 @@ class Resumed:
   config_history: list
 
 
-def flatten(tree: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
-  """{'a': {'b': 1}} -> {'a.b': 1}."""
-  out = {}
-  for key, value in tree.items():
-    dotted = f'{prefix}{key}'
-    if isinstance(value, Mapping):
-      out.update(flatten(value, dotted + '.'))
-    else:
-      out[dotted] = value
-  return out
-
-
 def _unused_section(key: str, in_use: set) -> bool:
   """Whether `key` belongs to the own section of a method not in use."""
   parts = key.split('.')
@@ -98,7 +86,7 @@ def config_changes(saved: Mapping[str, Any],
 
   The sections of methods that neither config uses are left out.
   """
-  old, new = flatten(saved), flatten(current)
+  old, new = config_lib.flatten(saved), config_lib.flatten(current)
   in_use = _methods_in_use(saved) | _methods_in_use(current)
   changes = {}
   for key in sorted(old.keys() | new.keys()):
