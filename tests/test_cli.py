@@ -49,6 +49,10 @@ def test_bad_config_is_a_clear_error(args, message):
     (['--coordinator', 'h:1'], 'needs --num-processes and --process-id'),
     (['--coordinator', 'host', '--num-processes', '2', '--process-id', '0'],
      'expected HOST:PORT'),
+    (['--join-timeout', '60'], '--join-timeout needs --coordinator'),
+    (['--coordinator', 'h:1', '--num-processes', '2', '--process-id', '0',
+      '--join-timeout', '0'], "'0': expected a whole number of seconds >= 1"),
+    (['--distributed', '--join-timeout', '1.5'], "'1.5': expected a whole"),
 ])
 def test_bad_process_options_are_usage_errors(args, message, capsys,
                                               monkeypatch):
@@ -65,6 +69,9 @@ def test_good_process_options_parse():
   args, _ = cli.parse_args(['--coordinator', 'h:1', '--num-processes', '2',
                             '--process-id', '1', '--config.steps=3'])
   assert (args.num_processes, args.process_id) == (2, 1)
+  assert args.join_timeout is None  # jax's default, cli.JOIN_TIMEOUT_S
+  args, _ = cli.parse_args(['--distributed', '--join-timeout', '900'])
+  assert args.join_timeout == 900
 
 
 def test_distributed_outside_a_cluster_and_unwritable_out_dir_are_errors(

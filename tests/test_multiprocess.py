@@ -200,11 +200,13 @@ def test_two_processes_match_one_process(optimizer, data_dir, tmp_path):
 
 
 def _start(commands: list, env: dict, cwd, timeout_s: float = 240) -> list:
-  """Runs `commands` at once; [(exit code, output)], None for one still
-  running at the limit (killed: the hang this section guards against)."""
-  procs = [subprocess.Popen(c, env=env, cwd=cwd, stdout=subprocess.PIPE,
+  """Runs `commands` at once (in `cwd`, or each in its own of a list of
+  them); [(exit code, output)], None for one still running at the limit
+  (killed: the hang this section guards against)."""
+  cwds = cwd if isinstance(cwd, list) else [cwd] * len(commands)
+  procs = [subprocess.Popen(c, env=env, cwd=d, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-           for c in commands]
+           for c, d in zip(commands, cwds)]
   deadline = time.monotonic() + timeout_s
   results = []
   for p in procs:
@@ -247,6 +249,57 @@ def test_a_fault_on_one_process_stops_both_with_exit_2(fault, data_dir,
   else:
     assert 'must be on a shared filesystem' in results[1][1], results[1][1]
     assert 'reading the data failed on process 1' in results[0][1]
+
+
+def test_another_process_count_on_one_process_stops_both(data_dir,
+                                                         tmp_path):
+  # Process 1 is told 3 processes; process 0, whose count the job takes, 2.
+  coordinator = f'127.0.0.1:{_free_port()}'
+  commands = [[sys.executable, str(TRAIN), '--coordinator', coordinator,
+               '--num-processes', str(2 + i), '--process-id', str(i),
+               *_config_args(data_dir, tmp_path / 'run', 'adamw')]
+              for i in range(2)]
+  results = _start(commands, _env(1), tmp_path)
+  assert [rc for rc, _ in results] == [2, 2], results
+  assert '--num-processes 3 here, but process 0 started the job with 2' in (
+      results[1][1]), results[1][1]
+  assert 'joining failed on process 1' in results[0][1], results[0][1]
+  assert not (tmp_path / 'run').exists()  # before any work
+
+
+def test_join_timeout_bounds_the_wait_for_a_missing_process(data_dir,
+                                                           tmp_path):
+  # Only process 0 of 2 starts: it must give up after --join-timeout, not
+  # jax's default 300 s (jax aborts the process; the joining line says why).
+  start = time.monotonic()
+  [(rc, out)] = _start([[sys.executable, str(TRAIN),
+                         *_joined(0, f'127.0.0.1:{_free_port()}'),
+                         '--join-timeout', '3',
+                         *_config_args(data_dir, tmp_path / 'run', 'adamw')]],
+                       _env(1), tmp_path, timeout_s=120)
+  assert rc not in (None, 0), out
+  assert 'waits up to 3 s for every process' in out, out
+  assert time.monotonic() - start < 100
+
+
+def test_an_out_dir_the_hosts_do_not_share_stops_both(data_dir, tmp_path):
+  # The same relative out_dir from two working directories: two directories,
+  # as the same path on two hosts' own disks would be.
+  coordinator = f'127.0.0.1:{_free_port()}'
+  homes = [tmp_path / f'host{i}' for i in range(2)]
+  for home in homes:
+    home.mkdir()
+  commands = [[sys.executable, str(TRAIN), *_joined(i, coordinator),
+               *_config_args(data_dir, 'run', 'adamw')] for i in range(2)]
+  results = _start(commands, _env(1), homes)
+  assert [rc for rc, _ in results] == [2, 2], results
+  for _, out in results:
+    assert 'Traceback' not in out, out
+  assert "out_dir='run'" in results[1][1], results[1][1]
+  assert 'must be on a filesystem every host shares' in results[1][1]
+  assert 'checking that out_dir is shared failed on process 1' in (
+      results[0][1]), results[0][1]
+  assert not list((homes[0] / 'run').iterdir())  # no checkpoint, no marker
 
 
 _RESTORE_SCRIPT = '''

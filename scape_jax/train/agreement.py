@@ -8,6 +8,7 @@ array, so every process sees every verdict and raises the same kind of
 error at the same point. With one process they cost nothing.
 """
 
+import os
 import zlib
 from typing import Any, Callable, Optional
 
@@ -95,3 +96,50 @@ def same_config(cfg: config_lib.Config) -> None:
         'the processes were started with different configs; these keys '
         f'differ: {", ".join(differ)}. Give every process the same config '
         f'(only {", ".join(PER_HOST_KEYS)} may differ).')
+
+
+def shared_dir(path: str, what: str) -> None:
+  """Raises ConfigError on every process unless all of them see one `path`.
+
+  Checkpoints are written by every process into one directory, so out_dir
+  must be on a filesystem every host shares. The same path string on hosts
+  with their own disks (or a relative path from other working directories)
+  would leave each host a part of each checkpoint, and no host a checkpoint
+  it can restore. Process 0 writes a random token into `path`; every process
+  must read back the same token.
+
+  Args:
+    path: an existing directory.
+    what: the option that named it, for the message.
+  """
+  if jax.process_count() == 1:
+    return
+  marker = os.path.join(path, '.scape-shared-check')
+  token = np.frombuffer(os.urandom(16), np.uint8)
+  error = None
+  if jax.process_index() == 0:
+    try:
+      with open(marker + '.tmp', 'wb') as f:
+        f.write(token.tobytes())
+      os.replace(marker + '.tmp', marker)
+    except OSError as e:
+      error = config_lib.ConfigError(f'{what}={path!r}: cannot write there '
+                                     f'({e.strerror})')
+  raise_together(error, f'writing into {what}')  # process 0 has written
+  try:
+    expected = _all_gather(token)[0].tobytes()
+    try:
+      with open(marker, 'rb') as f:
+        seen = f.read()
+    except OSError:
+      seen = None
+    if seen != expected:
+      error = config_lib.ConfigError(
+          f'{what}={path!r} (here {os.path.abspath(path)!r}) is not the '
+          'directory process 0 writes: it must be on a filesystem every '
+          'host shares, under the same path (an absolute path; every '
+          'process writes its part of each checkpoint there)')
+    raise_together(error, f'checking that {what} is shared')
+  finally:  # every process has read it
+    if jax.process_index() == 0:
+      os.remove(marker)

@@ -24,6 +24,7 @@ import traceback
 EXIT_USAGE = 2  # a mistake in the config, the data or a checkpoint
 EXIT_DIVERGED = 3  # max_bad_steps non-finite steps in a row
 EXIT_SIGINT = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+JOIN_TIMEOUT_S = 300  # jax.distributed.initialize's own default
 
 
 def parse_args(argv):
@@ -40,6 +41,10 @@ def parse_args(argv):
                       help='how many processes join (with --coordinator)')
   parser.add_argument('--process-id', type=int, default=None,
                       help="this process's index, 0 .. num-processes - 1")
+  parser.add_argument('--join-timeout', type=_seconds, default=None,
+                      metavar='SECONDS',
+                      help='how long the processes wait for each other to '
+                      'join (default 300)')
   parser.add_argument('--distributed', action='store_true',
                       help='jax.distributed.initialize() from the cluster '
                       'environment')
@@ -73,9 +78,24 @@ def _process_problem(args):
   if args.coordinator and not _cluster_env() and (n is None or i is None):
     return ('--coordinator needs --num-processes and --process-id (outside '
             'a SLURM or Open MPI job, which would supply them)')
+  if args.join_timeout is not None and not (args.coordinator or
+                                            args.distributed or _cluster_env()):
+    return ('--join-timeout needs --coordinator or --distributed; without '
+            'them no process joins and it would be ignored')
   if args.coordinator and ':' not in args.coordinator:
     return f'--coordinator {args.coordinator!r}: expected HOST:PORT'
   return None
+
+
+def _seconds(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(
+        f'{text!r}: expected a whole number of seconds >= 1')
+  return value
 
 
 def _cluster_env() -> bool:
@@ -134,14 +154,30 @@ def _join(jax, args):
   # installs its own handler; without it SIGTERM during set-up stops the
   # process, as it does with one process.
   jax.config.update('jax_enable_preemption_service', False)
+  timeout = args.join_timeout or JOIN_TIMEOUT_S
   if args.coordinator and args.process_id is not None:
     print(f'process {args.process_id} of {args.num_processes}: joining '
-          f'{args.coordinator} (waits up to 300 s for every process)',
-          file=sys.stderr, flush=True)
+          f'{args.coordinator} (waits up to {timeout} s for every '
+          'process; --join-timeout)', file=sys.stderr, flush=True)
   try:
     jax.distributed.initialize(args.coordinator, args.num_processes,
-                               args.process_id)
+                               args.process_id,
+                               initialization_timeout=timeout)
   except ValueError as e:  # jax's checks of the process options
+    return str(e)
+  # Process 0's count is the job's: a process told another count would
+  # otherwise go on as if it had not been.
+  from scape_jax.train import agreement  # pylint: disable=g-import-not-at-top
+  from scape_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  n = args.num_processes
+  error = None
+  if n is not None and n != jax.process_count():
+    error = config_lib.ConfigError(
+        f'--num-processes {n} here, but process 0 started the job with '
+        f'{jax.process_count()}: give every process the same count')
+  try:
+    agreement.raise_together(error, 'joining')
+  except config_lib.ConfigError as e:
     return str(e)
   return None
 

@@ -289,6 +289,7 @@ def train(cfg: config_lib.Config, devices=None, *,
   agreement.same_config(cfg)
   agreement.together(lambda: _check_out_dir(cfg.out_dir), 'creating out_dir',
                      config_lib.ConfigError)
+  agreement.shared_dir(cfg.out_dir, 'out_dir')
   program = build_program(cfg, devices)
   feed = _DataFeed(cfg, program)
   ckpt = Checkpointer(os.path.join(cfg.out_dir, 'ckpt'))
