@@ -243,7 +243,7 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   from scape_jax import export_hf  # pylint: disable=g-import-not-at-top
   model_dir = os.path.join(args.run, 'hf')
-  if export_hf.main(['--run', args.run, '--out', model_dir]):
+  if export_hf.main(['--run', args.run, '--out', model_dir, '--force']):
     return 2
   tasks = args.tasks.split(',')
   task_dir = os.path.join(args.run, 'lm_eval', 'tasks')

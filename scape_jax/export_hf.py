@@ -1,6 +1,7 @@
 """Exports a run's checkpoint as a `transformers` model directory.
 
   python -m scape_jax.export_hf --run runs/NAME --out DIR [--step N]
+      [--tokenizer PATH | --no-tokenizer] [--force]
 
 DIR gets `config.json` and `model.safetensors` (`LlamaForCausalLM` or
 `GPT2LMHeadModel`) and the tokenizer files (`tokenizer.json`,
@@ -22,7 +23,9 @@ holds a plain model that computes what the adapted one did.
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 from typing import Optional
 
 import jax
@@ -47,17 +50,42 @@ def _abstract_params(cfg: config_lib.Config):
   return model_cfg, target, bool(lead)
 
 
-def _tokenizer_files(cfg: config_lib.Config, out: str,
+class ExportError(ValueError):
+  """An export that would write the wrong files or over other files."""
+
+
+def _tokenizer_spec(cfg: config_lib.Config, extras: dict,
+                    path: Optional[str]) -> str:
+  """The tokenizer to write: `path`, else the run's; checked against the
+  fingerprint the run recorded from its corpus (runs since it was added)."""
+  spec = path or cfg.data.tokenizer
+  recorded = (extras.get('tokenizer') or {}).get('sha256')
+  if spec == 'byte':
+    if recorded is not None:
+      raise ExportError('the run trained on a corpus tokenized with a '
+                        f'tokenizer.json (sha256 {recorded[:12]}...), not '
+                        "'byte': give it with --tokenizer PATH")
+    return spec
+  if not os.path.isfile(spec):
+    raise ExportError(
+        f"the run's tokenizer {spec!r} is not found from here (a relative "
+        'path is read from this directory): give its tokenizer.json with '
+        '--tokenizer PATH, or --no-tokenizer to write the model alone')
+  if recorded is not None:
+    from scape_jax.data.prepare import sha256_file  # pylint: disable=g-import-not-at-top
+    if sha256_file(spec) != recorded:
+      raise ExportError(
+          f'{spec!r} is not the tokenizer the run trained with (its sha256 '
+          f'differs from the recorded {recorded[:12]}...): the file changed '
+          'since; give the original with --tokenizer PATH')
+  return spec
+
+
+def _tokenizer_files(spec: str, out: str,
                      max_len: int) -> tuple[list[str], Optional[int]]:
-  """Writes the run's tokenizer to `out`; (files, end-of-document id)."""
-  spec = cfg.data.tokenizer
+  """Writes tokenizer `spec` to `out`; (files, end-of-document id)."""
   eos_id, eos_token = None, None
   if spec != 'byte':
-    if not os.path.isfile(spec):
-      print(f'warning: the run\'s tokenizer {spec!r} is not found from here; '
-            'no tokenizer files written (copy its tokenizer.json into '
-            f'{out})', file=sys.stderr)
-      return [], None
     from scape_jax.data.tokenizer import HFTokenizer  # pylint: disable=g-import-not-at-top
     tok = HFTokenizer(spec)
     eos_id = tok.eos_id
@@ -66,15 +94,55 @@ def _tokenizer_files(cfg: config_lib.Config, out: str,
   return files, eos_id
 
 
-def export(run_dir: str, out_dir: str, step: Optional[int] = None) -> dict:
-  """Writes the model of `run_dir`'s checkpoint (latest, or `step`) to
-  `out_dir`; returns a summary."""
+def _check_out(out_dir: str, force: bool) -> None:
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise ExportError(f'--out {out_dir!r} is a file, not a directory')
+  if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
+    raise ExportError(
+        f'--out {out_dir!r} is not empty ({len(os.listdir(out_dir))} '
+        'entries): choose a new directory, or --force to replace it')
+
+
+def _replace_dir(new: str, out_dir: str) -> None:
+  """Moves the finished directory `new` to `out_dir`, replacing it whole."""
+  if not os.path.exists(out_dir):
+    os.rename(new, out_dir)
+    return
+  old = new + '.old'
+  os.rename(out_dir, old)
+  os.rename(new, out_dir)
+  shutil.rmtree(old)
+
+
+def export(run_dir: str, out_dir: str, step: Optional[int] = None, *,
+           tokenizer: Optional[str] = None, write_tokenizer: bool = True,
+           force: bool = False) -> dict:
+  """Writes the model of `run_dir`'s checkpoint to `out_dir`.
+
+  The files are written into a new directory beside `out_dir`, which then
+  takes its place: a failed export leaves `out_dir` as it was.
+
+  Args:
+    run_dir: the run's out_dir (with ckpt/).
+    out_dir: the directory to write; it must not exist or be empty, unless
+      `force`, which replaces it whole.
+    step: the checkpoint step (default: the latest).
+    tokenizer: a tokenizer.json in place of the run's `data.tokenizer` path.
+    write_tokenizer: False writes the model alone.
+    force: replace a non-empty `out_dir`.
+
+  Returns:
+    A summary: step, model class, files written, compute dtype.
+  """
+  _check_out(out_dir, force)
   ckpt = Checkpointer(os.path.join(run_dir, 'ckpt'))
   step, extras = ckpt.read_extras(step)
   if 'config' not in extras:
     raise CheckpointError(f'checkpoint step {step} in {ckpt.directory} has no '
                           'saved config (extras["config"])')
   cfg = config_lib.from_dict(extras['config'])
+  spec = (_tokenizer_spec(cfg, extras, tokenizer) if write_tokenizer
+          else None)
   model_cfg, target, per_replica = _abstract_params(cfg)
   state, _ = ckpt.restore(step, {'params': target}, partial=True)
   params = jax.device_get(state['params'])
@@ -83,12 +151,32 @@ def export(run_dir: str, out_dir: str, step: Optional[int] = None) -> dict:
   lora = cfg.model.lora
   if lora.targets:  # transformers gets the merged weights (PEFT's merge)
     params = models.lora.merge_adapters(params, lora.alpha / lora.rank)
-  files, eos_id = _tokenizer_files(cfg, out_dir, model_cfg.max_seq_len)
-  hf.save_pretrained(out_dir, model_cfg, params, bos_token_id=eos_id,
-                     eos_token_id=eos_id)
+  parent = os.path.dirname(os.path.abspath(out_dir))
+  os.makedirs(parent, exist_ok=True)
+  new = tempfile.mkdtemp(dir=parent,
+                         prefix=f'.{os.path.basename(out_dir)}.tmp-')
+  try:
+    files, eos_id = ([], None) if spec is None else _tokenizer_files(
+        spec, new, model_cfg.max_seq_len)
+    hf.save_pretrained(new, model_cfg, params, bos_token_id=eos_id,
+                       eos_token_id=eos_id)
+    mask = _umask()  # mkdtemp's and safetensors' files are private
+    for name in os.listdir(new):
+      os.chmod(os.path.join(new, name), 0o666 & ~mask)
+    os.chmod(new, 0o777 & ~mask)
+    _replace_dir(new, out_dir)
+  finally:
+    if os.path.exists(new):
+      shutil.rmtree(new)
   return {'step': step, 'model': type(model_cfg).__name__,
           'files': [hf.convert.CONFIG_FILE, hf.convert.WEIGHTS_FILE] + files,
           'compute_dtype': cfg.model.dtype}
+
+
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
 
 
 def main(argv=None) -> int:
@@ -99,11 +187,21 @@ def main(argv=None) -> int:
   parser.add_argument('--out', required=True, help='the output directory')
   parser.add_argument('--step', type=int, default=None,
                       help='the checkpoint step (default: the latest)')
+  parser.add_argument('--force', action='store_true',
+                      help='replace a non-empty --out directory')
+  which = parser.add_mutually_exclusive_group()
+  which.add_argument('--tokenizer', default=None, metavar='PATH',
+                     help="a tokenizer.json in place of the run's "
+                     'data.tokenizer (checked against the one it trained '
+                     'with)')
+  which.add_argument('--no-tokenizer', action='store_true',
+                     help='write the model without tokenizer files')
   args = parser.parse_args(argv)
   try:
-    summary = export(args.run, args.out, args.step)
+    summary = export(args.run, args.out, args.step, tokenizer=args.tokenizer,
+                     write_tokenizer=not args.no_tokenizer, force=args.force)
   except (CheckpointError, config_lib.ConfigError, hf.ConversionError,
-          ImportError, OSError) as e:
+          ExportError, ImportError, OSError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
   print(f'wrote {summary["model"]} of step {summary["step"]} to {args.out}: '

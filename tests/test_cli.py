@@ -193,3 +193,36 @@ def test_signals_stop_after_a_step_with_a_checkpoint(tmp_path):
   assert second >= first[0] + 2
   assert f'SIGTERM received: stopped after step {second}' in log
   assert _train_steps(out) == list(range(1, second + 1))  # each step once
+
+
+def test_a_corpus_of_another_tokenizer_is_refused(tmp_path):
+  # The corpus was prepared with a tokenizer.json; data.tokenizer is left at
+  # 'byte': the model would learn one tokenizer's ids and ship the other.
+  tokenizers = pytest.importorskip('tokenizers')
+  from tokenizers import models as tok_models  # pylint: disable=g-import-not-at-top
+  from tokenizers import trainers  # pylint: disable=g-import-not-at-top
+  from scape_jax.data import prepare  # pylint: disable=g-import-not-at-top
+  tok = tokenizers.Tokenizer(tok_models.BPE())
+  tok.train_from_iterator(['to be or not to be'] * 10, trainers.BpeTrainer(
+      vocab_size=40, special_tokens=['<|endoftext|>'], show_progress=False))
+  tok_path = tmp_path / 'tokenizer.json'
+  tok.save(str(tok_path))
+  texts = tmp_path / 'texts'
+  texts.mkdir()
+  for i in range(3):
+    (texts / f'{i}.txt').write_text('to be or not to be ' * 400)
+  prepare.prepare(str(texts), str(tok_path), str(tmp_path / 'corpus'))
+  common = [f'--config.data.corpus={tmp_path / "corpus"}',
+            '--config.mesh.data=1', '--config.data.batch_size=2',
+            '--config.data.seq_len=16', '--config.steps=1',
+            '--config.eval_batches=1', f'--config.out_dir={tmp_path / "run"}']
+  proc = _run(*common)
+  assert proc.returncode == 2, proc.stderr
+  assert f"was tokenized with '{tok_path}'" in proc.stderr, proc.stderr
+  assert "data.tokenizer is 'byte'" in proc.stderr
+  proc = _run(*common, f'--config.data.tokenizer={tok_path}')
+  assert proc.returncode == 0, proc.stderr
+  from scape_jax.train.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
+  _, extras = Checkpointer(str(tmp_path / 'run' / 'ckpt')).read_extras(None)
+  assert extras['tokenizer'] == {  # what export_hf checks its file against
+      'spec': str(tok_path), 'sha256': prepare.sha256_file(str(tok_path))}

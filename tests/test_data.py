@@ -96,6 +96,13 @@ def test_byte_tokenizer_round_trip():
   assert tok.decode(ids) == text
 
 
+def test_hf_tokenizer_encodes_special_token_text_as_text(hf_tokenizer_json):
+  tok = tok_lib.get_tokenizer(hf_tokenizer_json)
+  ids = tok.encode('quoted <|endoftext|> here')
+  assert tok.eos_id is not None and tok.eos_id not in ids
+  assert tok.decode(ids) == 'quoted <|endoftext|> here'
+
+
 def test_get_tokenizer_rejects_unknown_spec():
   with pytest.raises(ValueError, match=r"gpt9.*'byte'.*\.json"):
     tok_lib.get_tokenizer('gpt9')
@@ -180,7 +187,7 @@ def test_load_meta_missing_dir(tmp_path):
     prep.load_meta(str(tmp_path))
 
 
-def test_interrupted_prepare_leaves_no_valid_corpus(
+def test_interrupted_prepare_leaves_the_old_corpus_valid(
     txt_dir, tmp_path, monkeypatch
 ):
   out = str(tmp_path / 'out')
@@ -196,11 +203,91 @@ def test_interrupted_prepare_leaves_no_valid_corpus(
   monkeypatch.setattr(tok_lib.ByteTokenizer, 'encode', failing_encode)
   with open(os.path.join(txt_dir, 'b.txt'), 'a') as f:
     f.write('changed')
+  before = {n: open(os.path.join(out, n), 'rb').read()
+            for n in os.listdir(out)}
   with pytest.raises(KeyboardInterrupt):
     prep.prepare(txt_dir, 'byte', out)
-  with pytest.raises(FileNotFoundError):
-    prep.load_meta(out)
-  assert not [n for n in os.listdir(out) if n.startswith('.tmp')]
+  # The corpus that was there is intact and valid (the new one is not in).
+  assert {n: open(os.path.join(out, n), 'rb').read()
+          for n in os.listdir(out)} == before
+  prep.load_meta(out)
+  # A temp file of a killed run is removed by the next prepare.
+  (tmp_path / 'out' / '.tmp-killed').write_bytes(b'x' * 100)
+  monkeypatch.undo()
+  meta = prep.prepare(txt_dir, 'byte', out)
+  text = prep.load_split(out, 'train').astype(np.uint8).tobytes().decode()
+  assert 'changed' in text
+  assert sorted(os.listdir(out)) == ['meta.json', 'train.bin', 'val.bin']
+  assert meta == prep.load_meta(out)
+
+
+def test_cli_refuses_another_corpus_in_out_unless_overwrite(
+    txt_dir, tmp_path, capsys
+):
+  out = str(tmp_path / 'out')
+  prep.main(f'--corpus {txt_dir} --out {out}'.split())
+  other = tmp_path / 'other'
+  shutil.copytree(txt_dir, other)
+  (other / 'a.txt').write_text('another text')
+  before = prep.load_meta(out)
+  with pytest.raises(SystemExit) as e:
+    prep.main(f'--corpus {other} --out {out}'.split())
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert 'holds another prepared corpus' in err and str(txt_dir) in err
+  assert prep.load_meta(out) == before
+  prep.main(f'--corpus {txt_dir} --out {out}'.split())  # the same: reused
+  prep.main(f'--corpus {other} --out {out} --overwrite'.split())
+  assert prep.load_meta(out)['corpus'] == str(other)
+
+
+def test_cli_usage_errors(txt_dir, tmp_path, capsys):
+  with pytest.raises(SystemExit) as e:  # before any download
+    prep.main(f'--out {tmp_path / "o"} --val-fraction 0.3'.split())
+  assert e.value.code == 2
+  assert '--val-fraction applies to a directory corpus' in (
+      capsys.readouterr().err)
+  bad = tmp_path / 'config.json'
+  bad.write_text('{"model_type": "llama"}')
+  with pytest.raises(SystemExit) as e:
+    prep.main(f'--corpus {txt_dir} --out {tmp_path / "o"} '
+              f'--tokenizer {bad}'.split())
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert f"'{bad}' is not a tokenizers tokenizer.json" in err
+  assert 'Traceback' not in err
+
+
+def test_dir_corpus_files_any_case_and_through_links(txt_dir, tmp_path):
+  root = tmp_path / 'mixed'
+  (root / 'own').mkdir(parents=True)
+  (root / 'own' / 'X.TXT').write_text('upper case suffix')
+  (root / 'own' / 'notes.md').write_text('not a text file of the corpus')
+  os.symlink(txt_dir, root / 'more')  # a directory elsewhere, linked in
+  os.symlink(root, root / 'own' / 'loop')  # a cycle: walked once
+  os.symlink(root / 'own', root / 'again')  # the same directory: once
+  names = prep._txt_files(str(root))  # pylint: disable=protected-access
+  assert names == ['again/X.TXT'] + ['more/' + n for n in sorted(TEXTS)]
+
+
+def test_one_file_in_another_encoding_warns_by_name(txt_dir, tmp_path):
+  root = tmp_path / 'latin1'
+  shutil.copytree(txt_dir, root)
+  for i in range(30):  # enough text that the corpus share stays under 1%
+    (root / f'big{i:02d}.txt').write_text('plain words ' * 400)
+  (root / 'latin.txt').write_bytes('caf\u00e9 cr\u00e8me '.encode('latin-1')
+                                   * 20)
+  with pytest.warns(prep.CorpusWarning, match=r'1 file\(s\).*latin\.txt'):
+    prep.prepare(str(root), 'byte', str(tmp_path / 'out'))
+
+
+def test_interrupted_out_dir_as_a_corpus_says_so(txt_dir, tmp_path):
+  out = tmp_path / 'out'
+  prep.prepare(txt_dir, 'byte', str(out))
+  os.remove(out / 'meta.json')
+  with pytest.raises(prep.CorpusError, match='a prepare into it was '
+                     'interrupted'):
+    prep.prepare(str(out), 'byte', str(tmp_path / 'again'))
 
 
 def test_prepare_errors(tmp_path, txt_dir):

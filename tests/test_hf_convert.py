@@ -173,8 +173,9 @@ def test_a_runs_tokenizer_json_is_copied_with_its_eos(tmp_path):
   path = tmp_path / 'tokenizer.json'
   tok.save(str(path))
   cfg = config_lib.load(None, [f'--config.data.tokenizer={path}'])
+  spec = export_hf._tokenizer_spec(cfg, {}, None)  # pylint: disable=protected-access
   out = tmp_path / 'out'
-  files, eos_id = export_hf._tokenizer_files(cfg, str(out), 128)  # pylint: disable=protected-access
+  files, eos_id = export_hf._tokenizer_files(spec, str(out), 128)  # pylint: disable=protected-access
   assert eos_id == tok.token_to_id('<|endoftext|>') == 0
   assert (out / 'tokenizer.json').read_bytes() == path.read_bytes()
   config = json.loads((out / 'tokenizer_config.json').read_text())

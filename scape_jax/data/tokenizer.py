@@ -68,7 +68,15 @@ class HFTokenizer:
     if not os.path.isfile(path):
       raise FileNotFoundError(f'tokenizer file not found: {path}')
     self.spec = path
-    self._tok = tokenizers.Tokenizer.from_file(path)
+    try:
+      self._tok = tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # pylint: disable=broad-except
+      # tokenizers raises a bare Exception for a file it cannot parse.
+      raise ValueError(f'{path!r} is not a tokenizers tokenizer.json: '
+                       f'{e}') from None
+    # Text that spells a special token ('<|endoftext|>' quoted in a
+    # document) is text: only prepare's separators are special ids.
+    self._tok.encode_special_tokens = True
     self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
     self.eos_id = next(
         (

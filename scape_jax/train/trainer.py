@@ -93,6 +93,10 @@ class _DataFeed:
           f'{e}' + (' (process 0 prepared it: with several hosts, data_dir '
                     'must be on a shared filesystem or prepared on every '
                     'host)' if jax.process_count() > 1 else '')) from e
+    if jax.process_index() == 0:
+      _check_tokenizer(cfg.data, meta, data_dir)
+    self.tokenizer = {'spec': meta.get('tokenizer'),
+                      'sha256': meta.get('tokenizer_sha256')}
     if meta['vocab_size'] > self._program.model_cfg.vocab_size:
       raise config_lib.ConfigError(
           f'the tokenizer has {meta["vocab_size"]} tokens but model '
@@ -117,6 +121,32 @@ class _DataFeed:
 
   def next(self) -> dict:
     return self._global(next(self.iterator))
+
+
+def _check_tokenizer(d: config_lib.DataConfig, meta: dict,
+                     data_dir: str) -> None:
+  """Raises ConfigError unless the corpus was made with `d.tokenizer`.
+
+  The model learns the corpus's ids, and the export writes `d.tokenizer`
+  beside it: the two must be one tokenizer.
+  """
+  from scape_jax.data import prepare as prepare_lib  # pylint: disable=g-import-not-at-top
+  made_with, digest = meta.get('tokenizer'), meta.get('tokenizer_sha256')
+  if made_with == 'synthetic':  # random ids: no text to tokenize
+    return
+  if digest is None:
+    same = d.tokenizer == made_with
+  else:
+    try:
+      same = prepare_lib.sha256_file(d.tokenizer) == digest
+    except OSError:
+      same = False
+  if not same:
+    raise config_lib.ConfigError(
+        f'the corpus in {data_dir!r} was tokenized with {made_with!r}'
+        f'{"" if digest is None else f" (sha256 {digest[:12]}...)"}, but '
+        f'data.tokenizer is {d.tokenizer!r}: set --config.data.tokenizer to '
+        'the tokenizer the corpus was prepared with')
 
 
 def _prepare_data(cfg: config_lib.Config) -> str:
@@ -237,6 +267,7 @@ class _Saver:
                     {'data': self._feed.iterator.get_state(),
                      'config': config_lib.to_dict(self._cfg),
                      'config_history': self._history,
+                     'tokenizer': self._feed.tokenizer,
                      'mesh': self._mesh})
 
 
