@@ -87,7 +87,10 @@ def _tokenizer_files(spec: str, out: str,
   eos_id, eos_token = None, None
   if spec != 'byte':
     from scape_jax.data.tokenizer import HFTokenizer  # pylint: disable=g-import-not-at-top
-    tok = HFTokenizer(spec)
+    try:
+      tok = HFTokenizer(spec)
+    except ValueError as e:  # not a tokenizer.json
+      raise ExportError(str(e)) from None
     eos_id = tok.eos_id
     eos_token = None if eos_id is None else tok.decode([eos_id])
   files = hf.save_tokenizer(out, spec, max_len=max_len, eos_token=eos_token)
@@ -151,9 +154,9 @@ def export(run_dir: str, out_dir: str, step: Optional[int] = None, *,
   lora = cfg.model.lora
   if lora.targets:  # transformers gets the merged weights (PEFT's merge)
     params = models.lora.merge_adapters(params, lora.alpha / lora.rank)
-  parent = os.path.dirname(os.path.abspath(out_dir))
-  os.makedirs(parent, exist_ok=True)
-  new = tempfile.mkdtemp(dir=parent,
+  out_dir = os.path.abspath(out_dir)
+  os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+  new = tempfile.mkdtemp(dir=os.path.dirname(out_dir),
                          prefix=f'.{os.path.basename(out_dir)}.tmp-')
   try:
     files, eos_id = ([], None) if spec is None else _tokenizer_files(

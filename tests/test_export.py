@@ -106,6 +106,13 @@ def test_a_tokenizer_not_found_is_an_error(tmp_path, capsys, monkeypatch):
   path = _tokenizer_json(tmp_path / 'tok.json', 'to be or not to be')
   assert _export(run, tmp_path / 'c', '--tokenizer', str(path)) == 0
   assert (tmp_path / 'c' / 'tokenizer.json').read_bytes() == path.read_bytes()
+  not_json = tmp_path / 'config.json'
+  not_json.write_text('{"model_type": "llama"}')
+  assert _export(run, str(tmp_path / 'c') + '/', '--force', '--tokenizer',
+                 str(not_json)) == 2  # one line, no traceback
+  err = capsys.readouterr().err
+  assert 'is not a tokenizers tokenizer.json' in err, err
+  assert (tmp_path / 'c' / 'tokenizer.json').read_bytes() == path.read_bytes()
 
 
 def test_a_tokenizer_changed_since_training_is_refused(tmp_path, capsys,
@@ -121,10 +128,11 @@ def test_a_tokenizer_changed_since_training_is_refused(tmp_path, capsys,
   assert 'is not the tokenizer the run trained with' in (
       capsys.readouterr().err)
   assert _export(run, tmp_path / 'b', '--tokenizer', str(original)) == 0
+  assert _export(run, tmp_path / 'd', '--no-tokenizer') == 0
   # A run on a tokenizer.json corpus has no byte tokenizer to write.
   byte_run = _run(tmp_path / 'x', recorded=prepare.sha256_file(str(path)))
   assert _export(byte_run, tmp_path / 'c') == 2
   assert "not 'byte': give it with --tokenizer PATH" in (
       capsys.readouterr().err)
-  assert sorted(os.listdir(tmp_path)) == ['b', 'original.json', 'run',
+  assert sorted(os.listdir(tmp_path)) == ['b', 'd', 'original.json', 'run',
                                           'tok.json', 'x']
