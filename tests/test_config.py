@@ -169,6 +169,83 @@ def test_validate_errors(override, match):
     config.load(None, [override])
 
 
+_OUTER = ['--config.mesh.replica=2', '--config.mesh.data=4']
+
+
+@pytest.mark.parametrize('overrides,match', [
+    (['--config.optimizer.eps=1e-50'], r'eps=1e-50 must be .*>= 1.18e-38'),
+    (['--config.optimizer.name=radius', '--config.steps=150'],
+     r'optimizer.radius.interval=200, dense_fraction=0.16: every one of the '
+     r'150 steps is dense \(the first resample would be step 200\)'),
+    (['--config.optimizer.name=radius', '--config.steps=100',
+      '--config.optimizer.radius.interval=7',
+      '--config.optimizer.radius.dense_fraction=1'], 'step 105'),
+    (['--config.optimizer.name=diloco', '--config.steps=4', *_OUTER],
+     r'optimizer.diloco.sync_every=50 > steps=4: the replica groups would '
+     'never synchronise'),
+    (['--config.optimizer.name=pier', '--config.steps=4', *_OUTER],
+     r'optimizer.pier.sync_every=50 > steps=4'),
+    (['--config.optimizer.name=pier', '--config.steps=100', *_OUTER,
+      '--config.optimizer.pier.outer_lr=0.3'],
+     r'pier.outer_lr=0.3 has no effect while outer_lr_schedule=True'),
+    (['--config.optimizer.name=pier', '--config.steps=100', *_OUTER,
+      '--config.optimizer.pier.outer_momentum=0.5'],
+     r'pier.outer_momentum=0.5 has no effect while momentum_decay=True'),
+    (['--config.optimizer.name=scape', '--config.optimizer.scape.offload_kind=device'],
+     r"scape.offload_kind='device' has no effect with offload=False"),
+    (['--config.optimizer.name=scape', '--config.optimizer.scape.offload=true',
+      '--config.optimizer.scape.offload_kind=device'],
+     r"offload_kind='device' keeps the residual in device memory"),
+    (['--config.optimizer.name=scape', '--config.optimizer.scape.density_levels=5'],
+     r'density_levels=5 has no effect with density_warmup_steps=0'),
+    (['--config.optimizer.decay=constant', '--config.optimizer.min_lr_ratio=0.5'],
+     r"min_lr_ratio=0.5 has no effect with optimizer.decay='constant'"),
+    (['--config.optimizer.name=scape', '--config.optimizer.scape.fp32_replica=true'],
+     r'fp32_replica=True needs low-precision parameters'),
+    (['--config.optimizer.name=diloco', *_OUTER,
+      '--config.optimizer.diloco.inner=scape',
+      '--config.optimizer.scape.fp32_replica=true'],
+     r'fp32_replica=True needs low-precision'),  # SCAPE as the inner method
+    (['--config.optimizer.name=diloco', *_OUTER,
+      '--config.optimizer.diloco.inner=bogus'],
+     r"optimizer.diloco: inner='bogus' is not an inner method; allowed: "
+     'adamw, adams, scape, radius, demo$'),
+])
+def test_settings_with_no_effect_are_errors(overrides, match):
+  with pytest.raises(config.ConfigError, match=match):
+    config.load(None, overrides)
+
+
+def test_settings_with_an_effect_pass():
+  for overrides in (
+      ['--config.optimizer.name=radius', '--config.steps=200'],  # resample
+      ['--config.optimizer.name=diloco', '--config.steps=50', *_OUTER],
+      ['--config.optimizer.name=pier', '--config.steps=100', *_OUTER,
+       '--config.optimizer.pier.outer_lr_schedule=false',
+       '--config.optimizer.pier.outer_lr=0.3'],
+      ['--config.optimizer.name=scape',
+       '--config.optimizer.scape.fp32_replica=true',
+       '--config.model.param_dtype=bfloat16'],
+      # Another method's section is checked, not refused: one line switches.
+      ['--config.optimizer.name=adamw', '--config.steps=4',
+       '--config.optimizer.diloco.sync_every=50']):
+    config.load(None, overrides)
+
+
+def test_keys_a_method_does_not_read_are_noted():
+  from scape_jax.train import methods  # pylint: disable=g-import-not-at-top
+  cfg = config.load(None, ['--config.optimizer.name=demo',
+                           '--config.optimizer.clip_norm=0.5',
+                           '--config.optimizer.b1=0.8'])
+  [note] = methods.unread_notes(cfg.optimizer)
+  assert note.startswith("optimizer.name='demo' does not read "
+                         'optimizer.b1=0.8, optimizer.clip_norm=0.5 ('), note
+  assert not methods.unread_notes(config.load(None, [
+      '--config.optimizer.name=demo']).optimizer)
+  assert not methods.unread_notes(config.load(None, [
+      '--config.optimizer.clip_norm=0.5']).optimizer)  # SCAPE reads it
+
+
 @pytest.mark.parametrize('variant', ['fresh', 'carry', 'carry_v'])
 def test_distributed_scape_rejects_variants(variant):
   with pytest.raises(config.ConfigError,
@@ -220,3 +297,18 @@ def test_format_is_short_and_complete():
   assert len(text.splitlines()) == 7
   assert 'lr=0.001' in text and "preset='llama-tiny'" in text
   assert 'steps=1000' in text
+
+
+def test_the_program_refuses_pallas_on_cpu_and_notes_idle_devices():
+  from scape_jax import train as trainer  # pylint: disable=g-import-not-at-top
+  for select in ('pallas', 'pallas_radix'):
+    with pytest.raises(config.ConfigError,
+                       match=rf"select='{select}' runs Pallas kernels.*on "
+                       "cpu use 'auto'"):
+      trainer.build_program(config.load(None, [
+          '--config.optimizer.name=scape',
+          f'--config.optimizer.scape.select={select}']))
+  program = trainer.build_program(config.load(None, ['--config.mesh.data=4']))
+  assert program.notes == ('the mesh uses 4 of the 8 devices; mesh.data=-1 '
+                           'takes all that the other axes leave',)
+  assert not trainer.build_program(config.load(None, [])).notes

@@ -233,7 +233,8 @@ def test_single_process_use_without_shard_map():
 @pytest.mark.parametrize('kwargs, message', [
     (dict(sync_every=0), r'sync_every=0 must be an integer >= 1'),
     (dict(sync_every=2, outer_momentum=1.0), r'outer_momentum=1.0 must be in'),
-    (dict(sync_every=2, outer_lr=-1.0), r'outer_lr=-1.0 must be >= 0'),
+    (dict(sync_every=2, outer_lr=-1.0), r'outer_lr=-1.0 must be > 0'),
+    (dict(sync_every=2, outer_lr=0.0), r'outer_lr=0.0 must be > 0 \(0 resets'),
     (dict(sync_every=2, lazy_steps=3), r'lazy_steps=3 needs the lazy-start'),
     (dict(sync_every=2.0), r'sync_every=2.0 must be an integer >= 1'),
 ])

@@ -39,7 +39,9 @@ def _cfg(*overrides):
   base = ['--config.model.dtype=float32', '--config.data.seq_len=16',
           '--config.data.batch_size=16', '--config.optimizer.lr=1e-2',
           '--config.optimizer.warmup_steps=0', '--config.optimizer.eps=1e-3',
-          '--config.optimizer.decay=constant', '--config.steps=4']
+          '--config.optimizer.decay=constant', '--config.steps=4',
+          '--config.optimizer.diloco.sync_every=2',
+          '--config.optimizer.pier.sync_every=2']
   return config_lib.load(None, base + list(overrides))
 
 
@@ -288,9 +290,10 @@ def test_mesh_must_cover_every_device(overrides, message):
     (['--config.optimizer.pier.lazy_start=-0.5'],
      r'lazy_start=-0.5 must be in \[0, 1\)'),
     (['--config.optimizer.diloco.inner=pier'],
-     r"inner='pier' is an outer method; allowed inner methods: adamw, "
-     'adams, scape'),
-    (['--config.optimizer.diloco.inner=sgd'], r"optimizer.name='sgd'"),
+     r"inner='pier' is not an inner method; allowed: adamw, adams, scape, "
+     'radius, demo$'),
+    (['--config.optimizer.diloco.inner=sgd'],
+     r"inner='sgd' is not an inner method; allowed: adamw,"),
     (['--config.optimizer.pier.inner=scape', '--config.steps=100'],
      r"inner='scape': the lazy start .* needs a dense one \(adamw, adams\)"),
     (['--config.optimizer.diloco.outer_momentum=1'],

@@ -279,6 +279,7 @@ def test_scape_offload_as_an_outer_methods_inner(corpus, tmp_path):
         corpus, tmp_path, True, '--config.optimizer.name=pier',
         '--config.mesh.replica=2', '--config.optimizer.pier.inner=scape',
         '--config.optimizer.pier.lazy_start=0',
+        '--config.optimizer.pier.sync_every=2',
         f'--config.optimizer.pier.offload={pier_offload}'))
     state = program.abstract_opt
     assert _residual_kinds(state.inner) == {HOST}

@@ -115,8 +115,9 @@ def test_the_inner_method_section_of_an_outer_method_is_compared():
 # Another valid value of every key of every method's section.
 _OTHER_VALUE = {
     'scape': dict(density=0.1, density_warmup_steps=3, density_levels=4,
-                  mask_encoding='bitmap', select='sort', offload=True,
-                  offload_kind='device', distributed=True, fp32_replica=True,
+                  mask_encoding='bitmap', select='sort', offload=False,
+                  offload_kind='unpinned_host', distributed=True,
+                  fp32_replica=False,
                   payload_dtype='bfloat16', offset_bits='16',
                   variant='local_adam'),
     'radius': dict(density=0.25, interval=5, dense_fraction=0.3,
@@ -125,9 +126,18 @@ _OTHER_VALUE = {
     'diloco': dict(inner='adams', sync_every=5, outer_lr=0.5,
                    outer_momentum=0.5, offload=True),
     'pier': dict(inner='adams', sync_every=5, lazy_start=0.0,
-                 momentum_warmup=False, momentum_decay=False,
-                 outer_lr_schedule=False, outer_momentum=0.5, outer_lr=0.5,
+                 momentum_warmup=False, momentum_decay=True,
+                 outer_lr_schedule=True, outer_momentum=0.5, outer_lr=0.5,
                  offload=False),
+}
+# The base each value above is tried against, where the defaults would make
+# one of them a setting with no effect (`methods.no_effect`), or a run with
+# no sparse or sync step in its 10 steps.
+_BASE = {
+    'scape': dict(density_warmup_steps=2, offload=True, fp32_replica=True),
+    'radius': dict(interval=2),
+    'diloco': dict(sync_every=2),
+    'pier': dict(sync_every=2, momentum_decay=False, outer_lr_schedule=False),
 }
 
 
@@ -168,7 +178,11 @@ def test_every_key_resumable_with_the_flag_keeps_the_state():
   for name, section in sections.items():
     assert set(_OTHER_VALUE[name]) == {
         f.name for f in dataclasses.fields(section)}, name
-    args = [f'--config.optimizer.name={name}']
+    args = [f'--config.optimizer.name={name}'] + [
+        f'--config.optimizer.{name}.{k}={v}'
+        for k, v in _BASE.get(name, {}).items()]
+    if name == 'scape':  # fp32_replica=True needs low-precision parameters
+      args.append('--config.model.param_dtype=bfloat16')
     if methods.REGISTRY[name].per_replica:  # DiLoCo over SCAPE, Pier adamw
       args += ['--config.mesh.replica=2', '--config.optimizer.diloco.inner='
                'scape']

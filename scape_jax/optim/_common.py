@@ -66,8 +66,11 @@ def check_decay(where: str, name: str, value: float) -> None:
 
 
 def check_eps(where: str, eps: float) -> None:
-  """Raises ValueError unless eps is finite and > 0 (0 divides 0 by 0)."""
-  _check(where, 'eps', eps, lambda x: x > 0.0, 'finite and > 0')
+  """Raises ValueError unless eps is finite and > 0 (0 divides 0 by 0),
+  also in float32 (the state's dtype: a smaller eps rounds to 0 there)."""
+  tiny = float(np.finfo(np.float32).tiny)
+  _check(where, 'eps', eps, lambda x: x >= tiny,
+         f'finite and >= {tiny:.3g} (smaller is 0 in float32)')
 
 
 def check_non_negative(where: str, name: str, value: float) -> None:

@@ -240,7 +240,8 @@ def _phase_fn(o: _Outer, phase: str):
 
 
 def _check_outer_hypers(outer_lr, outer_momentum, warmup_momentum) -> None:
-  _check_hyper('outer_lr', outer_lr, lambda x: x >= 0, '>= 0')
+  _check_hyper('outer_lr', outer_lr, lambda x: x > 0,
+               '> 0 (0 resets every sync to the old model)')
   _check_hyper('outer_momentum', outer_momentum, lambda x: 0 <= x < 1,
                'in [0, 1)')
   if warmup_momentum is not None:

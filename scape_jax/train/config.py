@@ -411,6 +411,15 @@ def _optimizer_problems(cfg: Config) -> list[str]:
       selected = dataclasses.replace(o, name=name)
       problems += [f'optimizer.{name}: {message}' for message in
                    _raised(methods.build, selected, cfg.steps)]
+  if problems:
+    return problems
+  problems += methods.no_effect(o, cfg.steps)
+  replica_of = [spec.name for spec, section in methods.selected(o)
+                if spec.name == 'scape' and section.fp32_replica]
+  if replica_of and cfg.model.param_dtype == 'float32':
+    problems.append('optimizer.scape.fp32_replica=True needs low-precision '
+                    "parameters (model.param_dtype='bfloat16'): with "
+                    "'float32' it is a second copy of the same values")
   return problems
 
 

@@ -76,6 +76,14 @@ class MethodSpec:
   dense: bool = False
   stats: Callable[[Any], dict] = lambda opt_state: {}
   summary: str = ''  # one line for `--help`-style listings
+  # (common keys, its section, total steps) -> a message per setting that
+  # has no effect when this method is selected (a mistake; see
+  # `no_effect`). Not a build check: every section is built.
+  no_effect: Optional[Callable[[Any, Any, int], list]] = None
+  # Common optimizer keys this method does not read (noted at start), and
+  # why.
+  unread: tuple = ()
+  unread_why: str = ''
 
 
 REGISTRY: dict = {}
@@ -120,6 +128,52 @@ class Method:
 
   def stats(self, opt_state) -> dict:
     return (self.stats_fn or self.spec.stats)(opt_state)
+
+
+def selected(cfg) -> list:
+  """[(spec, section)] of the method `cfg.name` and, for an outer
+  method, its inner method."""
+  spec = get(cfg.name)
+  chosen = [(spec, getattr(cfg, spec.name) if spec.section else None)]
+  inner = getattr(chosen[0][1], 'inner', None)
+  if spec.per_replica and inner in REGISTRY:
+    own = REGISTRY[inner]
+    chosen.append((own, getattr(cfg, own.name) if own.section else None))
+  return chosen
+
+
+def _changed(obj, name: str) -> bool:
+  """Whether dataclass `obj`'s field `name` differs from its default."""
+  field = {f.name: f for f in dataclasses.fields(obj)}[name]
+  return getattr(obj, name) != field.default
+
+
+def no_effect(cfg, total_steps: int) -> list:
+  """A message per setting of the selected method(s) that would have no
+  effect in a run of `total_steps` (e.g. a sync period longer than the
+  run): such a run trains something other than what was asked."""
+  problems = []
+  if cfg.decay == 'constant' and _changed(cfg, 'min_lr_ratio'):
+    problems.append(f'optimizer.min_lr_ratio={cfg.min_lr_ratio} has no effect '
+                    "with optimizer.decay='constant'")
+  for spec, section in selected(cfg):
+    if spec.no_effect:
+      problems += [f'optimizer.{spec.name}.{message}' for message in
+                   spec.no_effect(cfg, section, total_steps)]
+  return problems
+
+
+def unread_notes(cfg) -> list:
+  """A line per common key set away from its default that the selected
+  method does not read (config files share them across methods)."""
+  notes = []
+  for spec, _ in selected(cfg):
+    keys = [k for k in spec.unread if _changed(cfg, k)]
+    if keys:
+      notes.append(f'optimizer.name={spec.name!r} does not read '
+                   f'{", ".join(f"optimizer.{k}={getattr(cfg, k)}" for k in keys)}'
+                   f' ({spec.unread_why})')
+  return notes
 
 
 def learning_rate(cfg, total_steps: int) -> optax.Schedule:
@@ -245,13 +299,30 @@ def _wire_options(section: ScapeConfig) -> dict:
   return {}
 
 
+def _scape_no_effect(cfg, section: ScapeConfig, total_steps: int) -> list:
+  del cfg, total_steps
+  problems = []
+  if not section.offload and _changed(section, 'offload_kind'):
+    problems.append(f'offload_kind={section.offload_kind!r} has no effect '
+                    'with offload=False')
+  if section.offload and section.offload_kind == sharding_memory.DEVICE:
+    problems.append("offload_kind='device' keeps the residual in device "
+                    'memory: set offload=False, or a host memory kind '
+                    f'({sharding_memory.HOST!r})')
+  if section.density_warmup_steps == 0 and _changed(section,
+                                                    'density_levels'):
+    problems.append(f'density_levels={section.density_levels} has no effect '
+                    'with density_warmup_steps=0 (no warmup: one level)')
+  return problems
+
+
 def _scape_stats(opt_state) -> dict:
   return (scape_lib.scape_stats(opt_state) or
           scape_dist_lib.scape_dist_stats(opt_state))
 
 
 register(MethodSpec('scape', _build_scape, section=ScapeConfig,
-                    stats=_scape_stats,
+                    stats=_scape_stats, no_effect=_scape_no_effect,
                     summary='AdamS with a top-k sparsified, error-fed first '
                     'moment (SCAPE Algorithm 1)'))
 
@@ -294,7 +365,21 @@ def _build_radius(cfg, section: RadiusConfig, lr, ctx) -> Built:
   return Built(tx, lambda step: {'step_kind': schedule.kind(step)})
 
 
+def _radius_no_effect(cfg, section: RadiusConfig, total_steps: int) -> list:
+  del cfg
+  schedule = radius_lib.RadiusSchedule(
+      section.interval, _radius_threshold(section.dense_fraction, total_steps))
+  if schedule.first_resample <= total_steps:
+    return []
+  return [f'interval={section.interval}, dense_fraction='
+          f'{section.dense_fraction}: every one of the {total_steps} steps is '
+          f'dense (the first resample would be step '
+          f'{schedule.first_resample}), so density, index_radius and select '
+          'have no effect; lower interval or dense_fraction']
+
+
 register(MethodSpec('radius', _build_radius, section=RadiusConfig,
+                    no_effect=_radius_no_effect,
                     stats=radius_lib.radius_stats,
                     summary='AdamW on a top-k sparsified all-reduce with '
                     'masks shared by every worker (Radius)'))
@@ -319,6 +404,10 @@ def _build_demo(cfg, section: DemoConfig, lr, ctx) -> Built:
 
 
 register(MethodSpec('demo', _build_demo, section=DemoConfig,
+                    unread=('b1', 'b2', 'eps', 'clip_norm'),
+                    unread_why='its momentum decay is optimizer.demo.beta '
+                    'and its update a sign: docs/design.md, "DeMo: choices '
+                    'pinned down"',
                     stats=demo_lib.demo_stats,
                     summary='decoupled per-worker momentum synchronized '
                     'through top-k DCT coefficients, sign update (DeMo)'))
@@ -354,10 +443,10 @@ class PierConfig:
 
 def _inner_method(cfg, section, lr, ctx, lazy: bool) -> tuple:
   """(inner Built, lazy-start Built or None) of an outer method's section."""
-  spec = get(section.inner)
-  if spec.per_replica:
+  spec = REGISTRY.get(section.inner)
+  if spec is None or spec.per_replica:
     raise ValueError(
-        f'inner={section.inner!r} is an outer method; allowed inner methods: '
+        f'inner={section.inner!r} is not an inner method; allowed: '
         f'{", ".join(n for n, s in REGISTRY.items() if not s.per_replica)}.')
   if lazy and not spec.dense:
     raise ValueError(
@@ -422,11 +511,37 @@ def _build_pier(cfg, section: PierConfig, lr, ctx) -> Built:
   return _outer_built(tx, schedule, inner, section.offload)
 
 
+def _no_sync(section, total_steps: int) -> list:
+  if section.sync_every <= total_steps:
+    return []
+  return [f'sync_every={section.sync_every} > steps={total_steps}: the '
+          'replica groups would never synchronise (each trains alone on its '
+          'share of the data, and group 0 is evaluated and saved); lower '
+          'sync_every']
+
+
+def _diloco_no_effect(cfg, section: DiLoCoConfig, total_steps: int) -> list:
+  del cfg
+  return _no_sync(section, total_steps)
+
+
+def _pier_no_effect(cfg, section: PierConfig, total_steps: int) -> list:
+  del cfg
+  problems = _no_sync(section, total_steps)
+  for key, switch in (('outer_momentum', 'momentum_decay'),
+                      ('outer_lr', 'outer_lr_schedule')):
+    if getattr(section, switch) and _changed(section, key):
+      problems.append(f'{key}={getattr(section, key)} has no effect while '
+                      f'{switch}=True (its schedule sets it); set {switch}='
+                      'False to use it')
+  return problems
+
+
 register(MethodSpec('diloco', _build_diloco, section=DiLoCoConfig,
-                    per_replica=True,
+                    per_replica=True, no_effect=_diloco_no_effect,
                     summary='DiLoCo: an inner method per replica group, an '
                     'outer Nesterov step every sync_every steps'))
 register(MethodSpec('pier', _build_pier, section=PierConfig,
-                    per_replica=True,
+                    per_replica=True, no_effect=_pier_no_effect,
                     summary='Pier: DiLoCo with a lazy start, momentum warmup '
                     'and decay, an outer lr schedule and host offload'))

@@ -9,6 +9,7 @@ collectives, allocating nothing.
 
 import dataclasses
 import math
+import sys
 from typing import Any, Optional
 
 import jax
@@ -40,6 +41,9 @@ class Program:
   # the trainable parameters)
   load_params: Any = None  # () -> host params of model.init_from, or None
   opt_memory_kinds: Any = None  # their memory kinds; None: device memory
+  # Lines for the user: settings that are legal but easy to get wrong (idle
+  # devices, common keys the method does not read). train.py prints them.
+  notes: tuple = ()
 
   @property
   def mesh(self) -> jax.sharding.Mesh:
@@ -267,8 +271,9 @@ def build_program(cfg: Config, devices=None) -> Program:
 
   group_params = nnx.to_pure_dict(abstract_state)
   spec = methods.get(cfg.optimizer.name)
-  layout = _layout(cfg, spec, mesh, devices or jax.devices(), abstract_state,
-                   group_params)
+  devices = devices or jax.devices()
+  _check_select(cfg, devices[0].platform)
+  layout = _layout(cfg, spec, mesh, devices, abstract_state, group_params)
   _check_batch(cfg, layout)
   method = methods.build(cfg.optimizer, cfg.steps,
                          methods.Context(sharding.DATA, fsdp=layout.fsdp > 1))
@@ -287,10 +292,27 @@ def build_program(cfg: Config, devices=None) -> Program:
                       'state in device memory.') from e
   leading = layout.replicas if layout.per_replica else None
   p_shard = layout.param_shardings()
+  notes = methods.unread_notes(cfg.optimizer)
+  if mesh.size < len(devices):  # (a per-replica method has refused it)
+    notes.insert(0, f'the mesh uses {mesh.size} of the {len(devices)} '
+                 'devices; mesh.data=-1 takes all that the other axes leave')
   return Program(cfg, layout, model_cfg, method, apply_fn, init_params,
                  _abstract(group_params, p_shard, leading),
                  _abstract(opt_shapes, o_shard, leading), opt_specs,
-                 _hf_loader(cfg, model_cfg, group_params), kinds)
+                 _hf_loader(cfg, model_cfg, group_params), kinds,
+                 tuple(notes))
+
+
+def _check_select(cfg: Config, platform: str) -> None:
+  """SCAPE's Pallas selections need a GPU or TPU inside the train step."""
+  for spec, section in methods.selected(cfg.optimizer):
+    if (spec.name == 'scape' and section.select.startswith('pallas') and
+        platform == 'cpu'):
+      raise ConfigError(
+          f'optimizer.scape.select={section.select!r} runs Pallas kernels, '
+          'which SCAPE\'s train step can run on a GPU or TPU only (on the '
+          "CPU, Pallas' interpreter does not run inside shard_map); on cpu "
+          "use 'auto', 'threshold', 'radix' or 'sort'")
 
 
 def param_count(program: Program) -> int:
@@ -362,6 +384,7 @@ def _print_memory(report: dict) -> None:
 def dry_run(cfg: Config, devices=None) -> dict:
   """Compiles the steady-state train step from abstract shapes only."""
   program = build_program(cfg, devices)
+  print_notes(program)
   traced = program.trace_step(cfg.steps)
   compiled = program.compile_step(cfg.steps, traced)
   cols = analysis.collectives_from_hlo(compiled.as_text())
@@ -379,6 +402,12 @@ def dry_run(cfg: Config, devices=None) -> dict:
   _print_memory(report)
   print(analysis.format_table(cols))
   return report
+
+
+def print_notes(program: Program) -> None:
+  if jax.process_index() == 0:
+    for note in program.notes:
+      print(f'note: {note}', file=sys.stderr, flush=True)
 
 
 def required_devices(cfg: Config) -> Optional[int]:
