@@ -14,6 +14,7 @@ from scape_jax.train import checkpoint
 from scape_jax.train import cli
 from scape_jax.train import config as config_lib
 from scape_jax.data.prepare import make_synthetic_corpus
+from tests.tiny_runs import tiny_tokenizer_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -198,15 +199,8 @@ def test_signals_stop_after_a_step_with_a_checkpoint(tmp_path):
 def test_a_corpus_of_another_tokenizer_is_refused(tmp_path):
   # The corpus was prepared with a tokenizer.json; data.tokenizer is left at
   # 'byte': the model would learn one tokenizer's ids and ship the other.
-  tokenizers = pytest.importorskip('tokenizers')
-  from tokenizers import models as tok_models  # pylint: disable=g-import-not-at-top
-  from tokenizers import trainers  # pylint: disable=g-import-not-at-top
   from scape_jax.data import prepare  # pylint: disable=g-import-not-at-top
-  tok = tokenizers.Tokenizer(tok_models.BPE())
-  tok.train_from_iterator(['to be or not to be'] * 10, trainers.BpeTrainer(
-      vocab_size=40, special_tokens=['<|endoftext|>'], show_progress=False))
-  tok_path = tmp_path / 'tokenizer.json'
-  tok.save(str(tok_path))
+  tok_path = tiny_tokenizer_json(tmp_path / 'tokenizer.json')
   texts = tmp_path / 'texts'
   texts.mkdir()
   for i in range(3):

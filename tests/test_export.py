@@ -7,25 +7,13 @@ stand-in that writes the same two files (test_hf.py checks the real files).
 import os
 import stat
 
-import pytest
-
 import models
 from scape_jax import export_hf
 from scape_jax import hf
 from scape_jax.data import prepare
 from scape_jax.train import config as config_lib
 from scape_jax.train.checkpoint import Checkpointer
-
-
-def _tokenizer_json(path, words):
-  tokenizers = pytest.importorskip('tokenizers')
-  from tokenizers import models as tok_models  # pylint: disable=g-import-not-at-top
-  from tokenizers import trainers  # pylint: disable=g-import-not-at-top
-  tok = tokenizers.Tokenizer(tok_models.BPE())
-  tok.train_from_iterator([words] * 10, trainers.BpeTrainer(
-      vocab_size=40, special_tokens=['<|endoftext|>'], show_progress=False))
-  tok.save(str(path))
-  return path
+from tests.tiny_runs import tiny_tokenizer_json
 
 
 def _run(tmp_path, tokenizer='byte', recorded=None):
@@ -103,7 +91,7 @@ def test_a_tokenizer_not_found_is_an_error(tmp_path, capsys, monkeypatch):
   assert _export(run, tmp_path / 'b', '--no-tokenizer') == 0
   assert sorted(os.listdir(tmp_path / 'b')) == ['config.json',
                                                 'model.safetensors']
-  path = _tokenizer_json(tmp_path / 'tok.json', 'to be or not to be')
+  path = tiny_tokenizer_json(tmp_path / 'tok.json', 'to be or not to be')
   assert _export(run, tmp_path / 'c', '--tokenizer', str(path)) == 0
   assert (tmp_path / 'c' / 'tokenizer.json').read_bytes() == path.read_bytes()
   not_json = tmp_path / 'config.json'
@@ -118,12 +106,12 @@ def test_a_tokenizer_not_found_is_an_error(tmp_path, capsys, monkeypatch):
 def test_a_tokenizer_changed_since_training_is_refused(tmp_path, capsys,
                                                        monkeypatch):
   monkeypatch.setattr(hf, 'save_pretrained', _fake_save)
-  path = _tokenizer_json(tmp_path / 'tok.json', 'to be or not to be')
+  path = tiny_tokenizer_json(tmp_path / 'tok.json', 'to be or not to be')
   original = tmp_path / 'original.json'
   original.write_bytes(path.read_bytes())
   run = _run(tmp_path, tokenizer=str(path),
              recorded=prepare.sha256_file(str(path)))
-  _tokenizer_json(path, 'all the world is a stage')  # replaced in place
+  tiny_tokenizer_json(path, 'all the world is a stage')  # replaced in place
   assert _export(run, tmp_path / 'a') == 2
   assert 'is not the tokenizer the run trained with' in (
       capsys.readouterr().err)

@@ -162,16 +162,11 @@ def test_save_pretrained_writes_config_and_weights(tmp_path):
 
 
 def test_a_runs_tokenizer_json_is_copied_with_its_eos(tmp_path):
-  tokenizers = pytest.importorskip('tokenizers')
-  from tokenizers import models as tok_models  # pylint: disable=g-import-not-at-top
-  from tokenizers import trainers  # pylint: disable=g-import-not-at-top
   from scape_jax import export_hf  # pylint: disable=g-import-not-at-top
   from scape_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
-  tok = tokenizers.Tokenizer(tok_models.BPE())
-  tok.train_from_iterator(['to be or not to be'] * 10, trainers.BpeTrainer(
-      vocab_size=40, special_tokens=['<|endoftext|>'], show_progress=False))
-  path = tmp_path / 'tokenizer.json'
-  tok.save(str(path))
+  from tests.tiny_runs import tiny_tokenizer_json  # pylint: disable=g-import-not-at-top
+  path = tiny_tokenizer_json(tmp_path / 'tokenizer.json')
+  tok = pytest.importorskip('tokenizers').Tokenizer.from_file(str(path))
   cfg = config_lib.load(None, [f'--config.data.tokenizer={path}'])
   spec = export_hf._tokenizer_spec(cfg, {}, None)  # pylint: disable=protected-access
   out = tmp_path / 'out'

@@ -27,3 +27,17 @@ def random_batches(steps, batch=16, seq=16, vocab=256, seed=0) -> list:
     tokens = rng.integers(0, vocab, size=(batch, seq + 1), dtype=np.int32)
     out.append({'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]})
   return out
+
+
+def tiny_tokenizer_json(path, words: str = 'to be or not to be'):
+  """Writes a 40-token BPE tokenizer.json trained on `words` (with the end
+  of text token '<|endoftext|>', id 0) to `path`; returns `path`."""
+  import pytest  # pylint: disable=g-import-not-at-top
+  tokenizers = pytest.importorskip('tokenizers')
+  from tokenizers import models  # pylint: disable=g-import-not-at-top
+  from tokenizers import trainers  # pylint: disable=g-import-not-at-top
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.train_from_iterator([words] * 10, trainers.BpeTrainer(
+      vocab_size=40, special_tokens=['<|endoftext|>'], show_progress=False))
+  tok.save(str(path))
+  return path
