@@ -168,11 +168,11 @@ def unread_notes(cfg) -> list:
   method does not read (config files share them across methods)."""
   notes = []
   for spec, _ in selected(cfg):
-    keys = [k for k in spec.unread if _changed(cfg, k)]
+    keys = [f'optimizer.{k}={getattr(cfg, k)}' for k in spec.unread
+            if _changed(cfg, k)]
     if keys:
       notes.append(f'optimizer.name={spec.name!r} does not read '
-                   f'{", ".join(f"optimizer.{k}={getattr(cfg, k)}" for k in keys)}'
-                   f' ({spec.unread_why})')
+                   f'{", ".join(keys)} ({spec.unread_why})')
   return notes
 
 
