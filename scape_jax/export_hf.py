@@ -72,8 +72,8 @@ def _tokenizer_spec(cfg: config_lib.Config, extras: dict,
         'path is read from this directory): give its tokenizer.json with '
         '--tokenizer PATH, or --no-tokenizer to write the model alone')
   if recorded is not None:
-    from scape_jax.data.prepare import sha256_file  # pylint: disable=g-import-not-at-top
-    if sha256_file(spec) != recorded:
+    from scape_jax.data.tokenizer import fingerprint  # pylint: disable=g-import-not-at-top
+    if fingerprint(spec) != recorded:
       raise ExportError(
           f'{spec!r} is not the tokenizer the run trained with (its sha256 '
           f'differs from the recorded {recorded[:12]}...): the file changed '

@@ -307,6 +307,14 @@ def _doc_tokens(docs: list[Doc], tok: tokenizer_lib.Tokenizer, sep: np.ndarray):
     yield tok.encode(load())
 
 
+def made_with(meta: dict, spec: str, fingerprint: str | None) -> bool:
+  """Whether the corpus of `meta` was tokenized by tokenizer `spec` (its
+  `tokenizer_lib.fingerprint`): by content for a file, by name otherwise."""
+  return meta.get('tokenizer_sha256') == fingerprint and (
+      fingerprint is not None or meta.get('tokenizer') == spec
+  )
+
+
 def prepare(
     corpus: str, tokenizer: str, out_dir: str, val_fraction: float = 0.05,
     overwrite: bool = True,
@@ -338,10 +346,8 @@ def prepare(
   except (OSError, CorpusError):
     old = None  # Absent or invalid: (re)build.
   if old is not None:
-    if (
-        old.get('source_sha256') == source
-        and old.get('tokenizer_sha256') == tok.fingerprint
-        and (tok.fingerprint is not None or old.get('tokenizer') == tok.spec)
+    if old.get('source_sha256') == source and made_with(
+        old, tok.spec, tok.fingerprint
     ):
       return old
     if not overwrite:

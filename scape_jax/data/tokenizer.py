@@ -86,8 +86,7 @@ class HFTokenizer:
         ),
         None,
     )
-    with open(path, 'rb') as f:
-      self.fingerprint = hashlib.sha256(f.read()).hexdigest()
+    self.fingerprint = fingerprint(path)
     self._dtype = token_dtype(self.vocab_size)
 
   def encode(self, text: str) -> np.ndarray:
@@ -96,6 +95,15 @@ class HFTokenizer:
 
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def fingerprint(spec: str) -> str | None:
+  """What a prepared corpus records of tokenizer `spec`: the sha256 of its
+  tokenizer.json, None for 'byte'. Raises OSError for a missing file."""
+  if spec == 'byte':
+    return None
+  with open(spec, 'rb') as f:
+    return hashlib.sha256(f.read()).hexdigest()
 
 
 def get_tokenizer(spec: str) -> Tokenizer:

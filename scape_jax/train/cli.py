@@ -78,8 +78,7 @@ def _process_problem(args):
   if args.coordinator and not _cluster_env() and (n is None or i is None):
     return ('--coordinator needs --num-processes and --process-id (outside '
             'a SLURM or Open MPI job, which would supply them)')
-  if args.join_timeout is not None and not (args.coordinator or
-                                            args.distributed or _cluster_env()):
+  if args.join_timeout is not None and not _joins(args):
     return ('--join-timeout needs --coordinator or --distributed; without '
             'them no process joins and it would be ignored')
   if args.coordinator and ':' not in args.coordinator:
@@ -96,6 +95,11 @@ def _seconds(text: str) -> int:
     raise argparse.ArgumentTypeError(
         f'{text!r}: expected a whole number of seconds >= 1')
   return value
+
+
+def _joins(args) -> bool:
+  """Whether this process joins others (jax.distributed.initialize)."""
+  return bool(args.coordinator or args.distributed or _cluster_env())
 
 
 def _cluster_env() -> bool:
@@ -123,7 +127,7 @@ def main(argv=None) -> int:
         f'{flags} --xla_force_host_platform_device_count={need}').strip()
 
   import jax  # pylint: disable=g-import-not-at-top
-  joined = args.coordinator or args.distributed or _cluster_env()
+  joined = _joins(args)
   if joined:
     problem = _join(jax, args)
     if problem:

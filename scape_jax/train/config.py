@@ -414,9 +414,9 @@ def _optimizer_problems(cfg: Config) -> list[str]:
   if problems:
     return problems
   problems += methods.no_effect(o, cfg.steps)
-  replica_of = [spec.name for spec, section in methods.selected(o)
-                if spec.name == 'scape' and section.fp32_replica]
-  if replica_of and cfg.model.param_dtype == 'float32':
+  fp32_replica = any(spec.name == 'scape' and section.fp32_replica
+                     for spec, section in methods.selected(o))
+  if fp32_replica and cfg.model.param_dtype == 'float32':
     problems.append('optimizer.scape.fp32_replica=True needs low-precision '
                     "parameters (model.param_dtype='bfloat16'): with "
                     "'float32' it is a second copy of the same values")

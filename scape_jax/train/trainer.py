@@ -131,17 +131,15 @@ def _check_tokenizer(d: config_lib.DataConfig, meta: dict,
   beside it: the two must be one tokenizer.
   """
   from scape_jax.data import prepare as prepare_lib  # pylint: disable=g-import-not-at-top
+  from scape_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   made_with, digest = meta.get('tokenizer'), meta.get('tokenizer_sha256')
   if made_with == 'synthetic':  # random ids: no text to tokenize
     return
-  if digest is None:
-    same = d.tokenizer == made_with
-  else:
-    try:
-      same = prepare_lib.sha256_file(d.tokenizer) == digest
-    except OSError:
-      same = False
-  if not same:
+  try:
+    ours = tokenizer_lib.fingerprint(d.tokenizer)
+  except OSError:  # no such file: not the corpus's tokenizer either
+    ours = None
+  if not prepare_lib.made_with(meta, d.tokenizer, ours):
     raise config_lib.ConfigError(
         f'the corpus in {data_dir!r} was tokenized with {made_with!r}'
         f'{"" if digest is None else f" (sha256 {digest[:12]}...)"}, but '
