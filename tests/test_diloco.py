@@ -257,6 +257,20 @@ def test_pier_names_a_bad_total_steps():
     outer.pier(optax.sgd(0.1), optax.sgd(0.1), -10, 4)
 
 
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(sync_every=0), r'^pier: sync_every=0 must be an integer >= 1'),
+    (dict(sync_every=4, outer_lr=0.0), r'^pier: outer_lr=0.0 must be > 0'),
+    (dict(sync_every=4, outer_momentum=1.0),
+     r'^pier: outer_momentum=1.0 must be in \[0, 1\)'),
+    (dict(sync_every=4, warmup_momentum=-0.5),
+     r'^pier: warmup_momentum=-0.5 must be in \[0, 1\)'),
+])
+def test_pier_errors_name_pier(kwargs, message):
+  """Pier's bad arguments are reported as Pier's, not DiLoCo's."""
+  with pytest.raises(ValueError, match=message):
+    outer.pier(optax.sgd(0.1), optax.sgd(0.1), 100, **kwargs)
+
+
 @pytest.mark.parametrize('p', [-0.1, 1.0, 1.5])
 def test_lazy_start_outside_unit_interval(p):
   with pytest.raises(ValueError, match=rf'lazy_start={p} must be in \[0, 1\)'):

@@ -71,15 +71,17 @@ class SyncSchedule:
       with t % r == 0.
     lazy_steps: L; steps t <= L are lazy-start steps (Pier); 0: none.
     momentum_warmup: lazy steps with t % r == 0 accumulate the momentum.
+    where: the method named in error messages.
   """
   sync_every: int
   lazy_steps: int = 0
   momentum_warmup: bool = False
+  where: str = dataclasses.field(default='diloco', compare=False)
 
   def __post_init__(self):
-    _common.check_int('diloco', 'sync_every', self.sync_every, 1,
+    _common.check_int(self.where, 'sync_every', self.sync_every, 1,
                       why=' (steps between synchronisations)')
-    _common.check_int('diloco', 'lazy_steps', self.lazy_steps, 0)
+    _common.check_int(self.where, 'lazy_steps', self.lazy_steps, 0)
     for name in ('sync_every', 'lazy_steps'):  # NumPy integers as ints
       object.__setattr__(self, name, int(getattr(self, name)))
 
@@ -239,21 +241,23 @@ def _phase_fn(o: _Outer, phase: str):
 # The transformation.
 
 
-def _check_outer_hypers(outer_lr, outer_momentum, warmup_momentum) -> None:
-  _check_hyper('outer_lr', outer_lr, lambda x: x > 0,
+def check_outer_hypers(where: str, outer_lr, outer_momentum,
+                       warmup_momentum) -> None:
+  """Raises ValueError for an outer lr <= 0 or a momentum outside [0, 1)."""
+  _check_hyper(where, 'outer_lr', outer_lr, lambda x: x > 0,
                '> 0 (0 resets every sync to the old model)')
-  _check_hyper('outer_momentum', outer_momentum, lambda x: 0 <= x < 1,
+  _check_hyper(where, 'outer_momentum', outer_momentum, lambda x: 0 <= x < 1,
                'in [0, 1)')
   if warmup_momentum is not None:
-    _check_hyper('warmup_momentum', warmup_momentum, lambda x: 0 <= x < 1,
-                 'in [0, 1)')
+    _check_hyper(where, 'warmup_momentum', warmup_momentum,
+                 lambda x: 0 <= x < 1, 'in [0, 1)')
 
 
-def _check_hyper(name: str, value, ok, allowed: str) -> None:
+def _check_hyper(where: str, name: str, value, ok, allowed: str) -> None:
   if callable(value) or isinstance(value, jax.core.Tracer):
     return
   if not ok(float(value)):
-    raise ValueError(f'diloco: {name}={value!r} must be {allowed}.')
+    raise ValueError(f'{where}: {name}={value!r} must be {allowed}.')
 
 
 def diloco(
@@ -308,7 +312,7 @@ def diloco(
   if lazy_steps and lazy is None:
     raise ValueError(f'diloco: lazy_steps={lazy_steps} needs the lazy-start '
                      'transformation `lazy`.')
-  _check_outer_hypers(outer_lr, outer_momentum, warmup_momentum)
+  check_outer_hypers('diloco', outer_lr, outer_momentum, warmup_momentum)
   o = _Outer(optax.with_extra_args_support(inner),
              None if lazy is None else optax.with_extra_args_support(lazy),
              outer_lr, outer_momentum, warmup_momentum or 0.0, replica_axis)

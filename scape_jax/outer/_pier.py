@@ -65,7 +65,8 @@ def sync_schedule(total_steps: int, sync_every: int,
   """The phases of Pier's steps (what `pier`'s update runs at each step)."""
   lazy_steps = lazy_start_steps(lazy_start, total_steps)
   return _diloco.SyncSchedule(sync_every, lazy_steps,
-                              momentum_warmup=momentum_warmup and lazy_steps > 0)
+                              momentum_warmup=momentum_warmup and lazy_steps > 0,
+                              where='pier')
 
 
 def _check_fractions(where: str, fractions: Sequence[float]) -> None:
@@ -183,6 +184,9 @@ def pier(
     outer_momentum = pier_momentum(total_steps)
   if outer_lr is None:
     outer_lr = pier_outer_lr(total_steps, lazy_start)
+  _diloco.check_outer_hypers('pier', outer_lr, outer_momentum,
+                             warmup_momentum if schedule.momentum_warmup
+                             else None)
   return _diloco.diloco(
       inner, sync_every, outer_lr, outer_momentum,
       lazy=lazy if schedule.lazy_steps else None,
