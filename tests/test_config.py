@@ -312,3 +312,26 @@ def test_the_program_refuses_pallas_on_cpu_and_notes_idle_devices():
   assert program.notes == ('the mesh uses 4 of the 8 devices; mesh.data=-1 '
                            'takes all that the other axes leave',)
   assert not trainer.build_program(config.load(None, [])).notes
+
+
+def test_a_warmup_as_long_as_the_run_is_noted():
+  """The lr warmup is cut to the run; the program says so (it is not
+  an error: short smoke runs keep the configs' warmup)."""
+  from scape_jax import train as trainer  # pylint: disable=g-import-not-at-top
+  from scape_jax.train import methods  # pylint: disable=g-import-not-at-top
+  cfg = config.load(None, ['--config.steps=10',
+                           '--config.optimizer.warmup_steps=10'])
+  assert trainer.build_program(cfg).notes == (
+      'optimizer.warmup_steps=10 is not shorter than the run (steps=10): the '
+      'learning rate warms up over 9 steps instead and reaches optimizer.lr '
+      'at the last one',)
+  lr = methods.learning_rate(cfg.optimizer, cfg.steps)
+  assert float(lr(9)) == pytest.approx(cfg.optimizer.lr)  # what it says
+  assert not methods.schedule_notes(cfg.optimizer, 11)
+
+
+def test_an_invalid_fsdp_is_one_message():
+  """mesh.fsdp=0 is reported once, not also as a nodes/fsdp mismatch."""
+  with pytest.raises(config.ConfigError) as e:
+    config.load(None, ['--config.mesh.fsdp=0'])
+  assert str(e.value) == 'invalid config:\n  mesh.fsdp must be >= 1, got 0'

@@ -284,7 +284,7 @@ def test_mesh_must_cover_every_device(overrides, message):
     (['--config.optimizer.diloco.sync_every=0'],
      r'optimizer.diloco: diloco: sync_every=0 must be an integer >= 1'),
     (['--config.optimizer.pier.sync_every=-3'],
-     r'optimizer.pier: diloco: sync_every=-3'),
+     r'optimizer.pier: pier: sync_every=-3'),
     (['--config.optimizer.pier.lazy_start=1.0'],
      r'optimizer.pier: pier: lazy_start=1.0 must be in \[0, 1\)'),
     (['--config.optimizer.pier.lazy_start=-0.5'],
@@ -302,6 +302,19 @@ def test_mesh_must_cover_every_device(overrides, message):
 def test_bad_outer_settings(overrides, message):
   with pytest.raises(config_lib.ConfigError, match=message):
     _cfg(*overrides)
+
+
+@pytest.mark.parametrize('name', ['diloco', 'pier'])
+def test_one_replica_group_is_noted(name):
+  """mesh.replica=1 (the default) is one group: allowed (DiLoCo's k = 1),
+  but said, since the outer step then averages nothing."""
+  program = trainer.build_program(_cfg(f'--config.optimizer.name={name}'))
+  assert program.notes == (
+      f"optimizer.name='{name}' with mesh.replica=1 runs one group: the outer "
+      'step averages nothing (a lookahead on one model); mesh.replica sets '
+      'the number of groups',)
+  assert not trainer.build_program(_cfg(
+      f'--config.optimizer.name={name}', '--config.mesh.replica=2')).notes
 
 
 def test_pier_with_scape_inner_needs_no_lazy_start():

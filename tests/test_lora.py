@@ -104,8 +104,8 @@ def _cfg(*overrides):
     (['--config.mesh.fsdp=1', '--config.mesh.nodes=1', '--config.mesh.data=8',
       '--config.fcdp.host_cache=true'],
      r'fcdp.host_cache needs the fsdp layout \(mesh.fsdp > 1\)'),
-    (['--config.mesh.nodes=3'], 'mesh.nodes=3 must be >= 1 and divide '
-     'mesh.fsdp=8'),
+    (['--config.mesh.nodes=3'], 'mesh.nodes=3 must divide mesh.fsdp=8'),
+    (['--config.mesh.nodes=0'], 'mesh.nodes must be >= 1, got 0'),
 ])
 def test_bad_settings_are_clear_errors(overrides, message):
   with pytest.raises(config_lib.ConfigError, match=message):

@@ -466,8 +466,10 @@ def _fcdp_problems(cfg: Config) -> list[str]:
   checks = [
       (lora.rank >= 1, f'model.lora.rank must be >= 1, got {lora.rank}'),
       (lora.alpha > 0, f'model.lora.alpha must be > 0, got {lora.alpha}'),
-      (m.nodes >= 1 and m.fsdp >= 1 and m.fsdp % m.nodes == 0,
-       f'mesh.nodes={m.nodes} must be >= 1 and divide mesh.fsdp={m.fsdp}'),
+      (m.nodes >= 1, f'mesh.nodes must be >= 1, got {m.nodes}'),
+      # (mesh.fsdp < 1 is reported by _problems)
+      (m.nodes < 1 or m.fsdp < 1 or m.fsdp % m.nodes == 0,
+       f'mesh.nodes={m.nodes} must divide mesh.fsdp={m.fsdp}'),
       (not on or m.fsdp > 1, f'fcdp.{on[0] if on else ""} needs the fsdp '
        f'layout (mesh.fsdp > 1), got mesh.fsdp={m.fsdp}'),
       (not f.hierarchical or m.nodes > 1, 'fcdp.hierarchical needs an fsdp '

@@ -176,6 +176,16 @@ def unread_notes(cfg) -> list:
   return notes
 
 
+def schedule_notes(cfg, total_steps: int) -> list:
+  """A line when the lr warmup is not shorter than the run (it is cut)."""
+  if cfg.warmup_steps < total_steps:
+    return []
+  return [f'optimizer.warmup_steps={cfg.warmup_steps} is not shorter than '
+          f'the run (steps={total_steps}): the learning rate warms up over '
+          f'{max(total_steps - 1, 0)} steps instead and reaches optimizer.lr '
+          'at the last one']
+
+
 def learning_rate(cfg, total_steps: int) -> optax.Schedule:
   """Linear warmup from 0, then cosine decay to `min_lr_ratio * lr` or flat."""
   warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))

@@ -292,7 +292,12 @@ def build_program(cfg: Config, devices=None) -> Program:
                       'state in device memory.') from e
   leading = layout.replicas if layout.per_replica else None
   p_shard = layout.param_shardings()
-  notes = methods.unread_notes(cfg.optimizer)
+  notes = (methods.unread_notes(cfg.optimizer) +
+           methods.schedule_notes(cfg.optimizer, cfg.steps))
+  if layout.per_replica and layout.replicas == 1:
+    notes.append(f'optimizer.name={spec.name!r} with mesh.replica=1 runs one '
+                 'group: the outer step averages nothing (a lookahead on one '
+                 'model); mesh.replica sets the number of groups')
   if mesh.size < len(devices):  # (a per-replica method has refused it)
     notes.insert(0, f'the mesh uses {mesh.size} of the {len(devices)} '
                  'devices; mesh.data=-1 takes all that the other axes leave')
