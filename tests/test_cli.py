@@ -220,3 +220,61 @@ def test_a_corpus_of_another_tokenizer_is_refused(tmp_path):
   _, extras = Checkpointer(str(tmp_path / 'run' / 'ckpt')).read_extras(None)
   assert extras['tokenizer'] == {  # what export_hf checks its file against
       'spec': str(tok_path), 'sha256': prepare.sha256_file(str(tok_path))}
+
+
+def _texts(root, text):
+  root.mkdir()
+  for i in range(3):
+    (root / f'{i}.txt').write_text(text * 200)
+  return str(root)
+
+
+def test_two_corpora_of_one_name_do_not_share_the_default_dir(
+    tmp_path, monkeypatch):
+  """/a/books and /b/books both default to data/books-byte: the second run
+  must not replace the first run's corpus under it."""
+  from scape_jax.data import prepare  # pylint: disable=g-import-not-at-top
+  from scape_jax.train import trainer as trainer_mod  # pylint: disable=g-import-not-at-top
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / 'a').mkdir()
+  (tmp_path / 'b').mkdir()
+  first = _texts(tmp_path / 'a' / 'books', 'to be or not to be ')
+  second = _texts(tmp_path / 'b' / 'books', 'all the world is a stage ')
+  cfg = config_lib.load(None, [f'--config.data.corpus={first}'])
+  data_dir = trainer_mod._prepare_data(cfg)
+  assert data_dir == os.path.join('data', 'books-byte')
+  meta = prepare.load_meta(data_dir)
+  cfg = config_lib.load(None, [f'--config.data.corpus={second}'])
+  with pytest.raises(prepare.CorpusError, match=(
+      r"'data/books-byte', the default data dir for data.corpus=.*b/books', "
+      rf'holds the corpus prepared from {first}: set data.data_dir')):
+    trainer_mod._prepare_data(cfg)
+  assert prepare.load_meta(data_dir) == meta  # untouched
+  cfg = config_lib.load(None, [f'--config.data.corpus={second}',
+                               f'--config.data.data_dir={tmp_path / "own"}'])
+  assert trainer_mod._prepare_data(cfg) == str(tmp_path / 'own')
+  # The same corpus again, changed: rebuilt in place, as before.
+  with open(os.path.join(first, '0.txt'), 'a') as f:
+    f.write('more')
+  cfg = config_lib.load(None, [f'--config.data.corpus={first}'])
+  assert trainer_mod._prepare_data(cfg) == data_dir
+  assert prepare.load_meta(data_dir)['source_sha256'] != meta['source_sha256']
+
+
+def test_a_data_dir_beside_a_prepared_corpus_is_refused(tmp_path):
+  """data.corpus already prepared is read in place: a data.data_dir set
+  beside it would be silently unused."""
+  from scape_jax.data import prepare  # pylint: disable=g-import-not-at-top
+  from scape_jax.train import trainer as trainer_mod  # pylint: disable=g-import-not-at-top
+  corpus = str(tmp_path / 'corpus')
+  prepare.prepare(_texts(tmp_path / 'texts', 'to be '), 'byte', corpus)
+  cfg = config_lib.load(None, [f'--config.data.corpus={corpus}',
+                               f'--config.data.data_dir={tmp_path / "x"}'])
+  with pytest.raises(prepare.CorpusError, match=(
+      rf"data.data_dir='{tmp_path / 'x'}' is not used: data.corpus="
+      rf"'{corpus}' is a prepared corpus, read where it is")):
+    trainer_mod._prepare_data(cfg)
+  assert not os.path.exists(tmp_path / 'x')
+  cfg = config_lib.load(None, [f'--config.data.corpus={corpus}',
+                               f'--config.data.data_dir={corpus}'])
+  assert trainer_mod._prepare_data(cfg) == corpus

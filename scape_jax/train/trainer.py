@@ -147,6 +147,10 @@ def _check_tokenizer(d: config_lib.DataConfig, meta: dict,
         'the tokenizer the corpus was prepared with')
 
 
+def _same_dir(a: str, b: str) -> bool:
+  return os.path.realpath(a) == os.path.realpath(b)
+
+
 def _prepare_data(cfg: config_lib.Config) -> str:
   """Prepares the corpus once (on process 0) and returns its directory.
 
@@ -162,9 +166,26 @@ def _prepare_data(cfg: config_lib.Config) -> str:
     data_dir = d.corpus  # an already prepared directory
 
   def prepare():
-    if jax.process_index() != 0 or prepared:
+    if jax.process_index() != 0:
+      return
+    if prepared:
+      if d.data_dir and not _same_dir(d.data_dir, d.corpus):
+        raise prepare_lib.CorpusError(
+            f'data.data_dir={d.data_dir!r} is not used: data.corpus='
+            f'{d.corpus!r} is a prepared corpus, read where it is; drop '
+            'data.data_dir, or set data.corpus to the text it was made from')
       return
     if d.corpus != 'synthetic':
+      held = None if d.data_dir else prepare_lib.held_corpus(data_dir)
+      ours = prepare_lib.describe(d.corpus)
+      # (a path is a directory corpus; another text a built-in one, whose
+      # description may change between versions of the same corpus)
+      if held not in (None, ours) and (os.path.isabs(held) or
+                                       os.path.isabs(ours)):
+        raise prepare_lib.CorpusError(
+            f'{data_dir!r}, the default data dir for data.corpus='
+            f'{d.corpus!r}, holds the corpus prepared from {held}: set '
+            'data.data_dir to a directory of its own')
       prepare_lib.prepare(d.corpus, d.tokenizer, data_dir)  # idempotent
     elif not os.path.exists(os.path.join(data_dir, 'meta.json')):
       prepare_lib.make_synthetic_corpus(data_dir, num_tokens=1 << 18)
