@@ -10,6 +10,7 @@ import pytest
 from scape_jax import analysis
 from scape_jax.comm import masks
 from scape_jax import train as trainer
+from scape_jax.train import config as config_lib
 from tests.tiny_runs import run_config
 
 
@@ -106,12 +107,20 @@ def test_dense_train_step_reduces_every_parameter(corpus, tmp_path):
 
 
 def test_dry_run_reports_memory_without_allocating(corpus, tmp_path, capsys):
+  """Also: a GPU config (select='pallas_radix') dry-runs on simulated CPU
+  devices, compiled as 'radix' and said so (a real CPU run is refused)."""
   cfg = _cfg(corpus, tmp_path, '--config.optimizer.name=scape',
-             '--config.mesh.data=8')
+             '--config.mesh.data=8', '--config.optimizer.scape.select='
+             'pallas_radix')
   report = trainer.dry_run(cfg)
   assert report['params'] == 131_392  # llama-tiny
   assert report['device_bytes'] > report['params'] * 4
-  assert 'parameters' in capsys.readouterr().out
+  out, err = capsys.readouterr()
+  assert 'parameters' in out
+  assert ("note: dry run on cpu devices: optimizer.scape.select="
+          "'pallas_radix' is compiled as 'radix'") in err
+  with pytest.raises(config_lib.ConfigError, match='runs Pallas kernels'):
+    trainer.build_program(cfg)
 
 
 @pytest.mark.parametrize('override, message', [

@@ -386,9 +386,35 @@ def _print_memory(report: dict) -> None:
           'device memory above)')
 
 
+# SCAPE's Pallas selections and their jnp twins (the same passes in jnp).
+_JNP_TWIN = {'pallas': 'threshold', 'pallas_radix': 'radix'}
+
+
+def _cpu_twin(cfg: Config, platform: str) -> tuple:
+  """(cfg, note): on CPU devices a Pallas selection is dry-run as its twin.
+
+  A dry run for a GPU or TPU cluster may compile on simulated CPU devices,
+  where the Pallas kernels do not run inside the train step.
+  """
+  select = cfg.optimizer.scape.select
+  if platform != 'cpu' or select not in _JNP_TWIN:
+    return cfg, None
+  scape = dataclasses.replace(cfg.optimizer.scape, select=_JNP_TWIN[select])
+  twin = dataclasses.replace(
+      cfg, optimizer=dataclasses.replace(cfg.optimizer, scape=scape))
+  return twin, (f'dry run on cpu devices: optimizer.scape.select={select!r} '
+                f'is compiled as {_JNP_TWIN[select]!r}, the same search in '
+                'jnp (same collectives; its Pallas kernels run on a GPU or '
+                'TPU only)')
+
+
 def dry_run(cfg: Config, devices=None) -> dict:
   """Compiles the steady-state train step from abstract shapes only."""
+  devices = jax.devices() if devices is None else devices
+  cfg, note = _cpu_twin(cfg, devices[0].platform)
   program = build_program(cfg, devices)
+  if note:
+    program = dataclasses.replace(program, notes=program.notes + (note,))
   print_notes(program)
   traced = program.trace_step(cfg.steps)
   compiled = program.compile_step(cfg.steps, traced)
