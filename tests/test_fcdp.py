@@ -227,3 +227,37 @@ def test_resume_is_exact_with_all_of_fcdp(tmp_path):
   intra = {e for e, axes in _all_gathers(program, compiled.as_text())
            if axes == ('fsdp',)}
   assert intra & frozen_sizes
+
+
+def test_resume_may_switch_fcdp_and_relabel_nodes(tmp_path):
+  """The FCDP switches and mesh.nodes place the same numbers differently: a
+  checkpoint saved without them resumes with all of them (and 4 nodes) and
+  trains as the run that kept its layout; resume.check_config lets them
+  change without --allow-config-change."""
+  from scape_jax.train import resume  # pylint: disable=g-import-not-at-top
+  before = _cfg(*LORA)
+  after = _cfg(*LORA, *ALL_FCDP, '--config.mesh.nodes=4')
+  changes = resume.check_config(config_lib.to_dict(before),
+                                config_lib.to_dict(after), 'ckpt', False)
+  assert sorted(changes) == ['fcdp.hierarchical', 'fcdp.host_cache',
+                             'fcdp.lora_aware', 'mesh.nodes']
+  program, compiled = _adamw(*LORA)
+  batches = _batches(program, 4, seed=2)
+  params, opt_state, _ = _run(program, compiled, *program.init_state(),
+                              batches[:2])
+  with Checkpointer(str(tmp_path)) as ckpt:
+    ckpt.save(2, {'params': params, 'opt': opt_state})
+  straight, _, losses = _run(program, compiled, params, opt_state, batches[2:])
+  switched, switched_compiled = _adamw(*LORA, *ALL_FCDP,
+                                       '--config.mesh.nodes=4')
+  with Checkpointer(str(tmp_path)) as ckpt:
+    state, _ = ckpt.restore(2, {'params': switched.abstract_params,
+                                'opt': switched.abstract_opt})
+  resumed, _, resumed_losses = _run(
+      switched, switched_compiled, state['params'], state['opt'],
+      [jax.device_put(b, switched.batch_sharding()) for b in batches[2:]])
+  np.testing.assert_allclose(resumed_losses, losses, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                               atol=1e-7)
+

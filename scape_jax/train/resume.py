@@ -36,7 +36,11 @@ RESUME_SAFE_KEYS = ('log_every', 'eval_every', 'eval_batches', 'ckpt_every',
                     # Where SCAPE's state lives, and its layout (converted on
                     # restore; the numbers are the same up to rounding).
                     'optimizer.scape.offload', 'optimizer.scape.offload_kind',
-                    'optimizer.scape.distributed')
+                    'optimizer.scape.distributed',
+                    # Where FCDP keeps and gathers the same numbers, and how
+                    # the same fsdp group is split into nodes.
+                    'fcdp.host_cache', 'fcdp.hierarchical', 'fcdp.lora_aware',
+                    'mesh.nodes')
 # Keys (or 'section.' prefixes) that fix the state's shapes or the data order.
 # (`tests/test_resilience.py` checks that every other method key, and the
 # model keys, keep the parameters' and the optimizer state's pytree and
@@ -99,8 +103,9 @@ def config_changes(saved: Mapping[str, Any],
 
 
 def _is_structural(key: str) -> bool:
-  return any(key == k or (k.endswith('.') and key.startswith(k))
-             for k in STRUCTURAL_KEYS)
+  return key not in RESUME_SAFE_KEYS and any(
+      key == k or (k.endswith('.') and key.startswith(k))
+      for k in STRUCTURAL_KEYS)
 
 
 def _lines(changes: Mapping[str, tuple]) -> str:
