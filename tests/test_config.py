@@ -330,6 +330,15 @@ def test_a_warmup_as_long_as_the_run_is_noted():
   assert not methods.schedule_notes(cfg.optimizer, 11)
 
 
+@pytest.mark.parametrize('seed', [-1, 2**32])
+def test_a_seed_outside_32_bits_is_refused(seed):
+  """-1 failed later blaming data.corpus; 2**32 repeated seed 0's model."""
+  with pytest.raises(config.ConfigError,
+                     match=rf'seed must be in \[0, 2\*\*32\), got {seed}'):
+    config.load(None, [f'--config.seed={seed}'])
+  config.load(None, [f'--config.seed={2**32 - 1}'])
+
+
 def test_an_invalid_fsdp_is_one_message():
   """mesh.fsdp=0 is reported once, not also as a nodes/fsdp mismatch."""
   with pytest.raises(config.ConfigError) as e:

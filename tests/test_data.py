@@ -435,6 +435,24 @@ def test_set_state_rejects_other_config(synth_dir):
     other.set_state(state)
 
 
+def test_set_state_checks_the_corpus_by_content(synth_dir, tmp_path):
+  """A copy of the corpus elsewhere continues the position (a resume may
+  move the corpus); another corpus is refused naming its sha256."""
+  kw = dict(seq_len=8, global_batch_size=4, seed=0)
+  it = pipeline.train_iterator(synth_dir, **kw)
+  _take(it, 2)
+  state = it.get_state()
+  copy = str(tmp_path / 'copy')
+  shutil.copytree(synth_dir, copy)
+  moved = pipeline.train_iterator(copy, **kw)
+  moved.set_state(state)
+  _assert_same(_take(moved, 2), _take(it, 2))
+  other = str(tmp_path / 'other')
+  prep.make_synthetic_corpus(other, num_tokens=3000, val_tokens=700, seed=2)
+  with pytest.raises(ValueError, match="'data_sha256'"):
+    pipeline.train_iterator(other, **kw).set_state(state)
+
+
 def test_set_state_rejects_another_validation_split(synth_dir, tmp_path):
   """The same train.bin with another val.bin: the eval losses before and
   after a resume would not be comparable (it was accepted silently). A
@@ -486,6 +504,17 @@ def test_too_short_corpus(synth_dir):
     )
 
 
+def test_a_train_split_smaller_than_one_batch_is_refused(synth_dir):
+  """3000 tokens = 374 windows of 8 (+1): a batch of 375 would repeat
+  windows within every batch (it trained silently on near-copies)."""
+  with pytest.raises(ValueError, match=(
+      r'3000 tokens = 374 window\(s\) of seq_len \+ 1 = 9 per epoch, fewer '
+      'than one batch of 375')):
+    pipeline.train_iterator(synth_dir, seq_len=8, global_batch_size=375,
+                            seed=0)
+  pipeline.train_iterator(synth_dir, seq_len=8, global_batch_size=374, seed=0)
+
+
 def test_eval_batches(synth_dir):
   val = prep.load_split(synth_dir, 'val').astype(np.int32)
   kw = dict(seq_len=10, batch_size=4)
@@ -502,5 +531,7 @@ def test_eval_batches(synth_dir):
   _assert_same(_concat(halves), batches)
   # 699 // 10 = 69 windows: 17 full batches of 4.
   assert len(pipeline.eval_batches(synth_dir, num_batches=None, **kw)) == 17
-  with pytest.raises(ValueError, match='val.bin.*700 tokens'):
+  with pytest.raises(ValueError, match=(
+      r'val.bin.*700 tokens.*use fewer eval batches \(eval_batches\), a '
+      r'smaller batch or seq_len, or prepare a larger validation split')):
     pipeline.eval_batches(synth_dir, num_batches=18, **kw)

@@ -74,6 +74,42 @@ def test_structural_changes_are_refused_even_with_the_flag(override, key):
   assert key in str(e.value)
 
 
+def test_keys_added_since_a_checkpoint_are_no_change_at_their_defaults():
+  """A checkpoint from before mesh.nodes, model.lora and fcdp existed
+  resumes (it ran as their defaults do); set away from the default, an added
+  key is a change as before."""
+  current = config_lib.to_dict(config_lib.load(None, []))
+  saved = json.loads(json.dumps(current))
+  del saved['mesh']['nodes'], saved['model']['lora'], saved['fcdp']
+  assert resume.check_config(saved, current, 'ckpt 5', False) == {}
+  lora = config_lib.to_dict(config_lib.load(None, [
+      '--config.model.lora.targets=q_proj']))
+  with pytest.raises(config_lib.ConfigError, match=r'must stay as saved(.|\n)*'
+                     r"model.lora.targets: '\(absent\)' -> \['q_proj'\]"):
+    resume.check_config(saved, lora, 'ckpt 5', allow_change=True)
+
+
+def test_data_paths_are_compared_as_files(tmp_path, monkeypatch):
+  """A trailing slash or a relative path to the same corpus is no change;
+  a corpus moved elsewhere needs the flag (its content is checked when the
+  data position is restored), not a new run."""
+  (tmp_path / 'corpus').mkdir()
+  (tmp_path / 'moved').mkdir()
+  monkeypatch.chdir(tmp_path)
+
+  def cfg(corpus):
+    return config_lib.to_dict(config_lib.load(None, [
+        f'--config.data.corpus={corpus}']))
+  saved = cfg(tmp_path / 'corpus')
+  for same in (f'{tmp_path / "corpus"}/', 'corpus', './corpus/../corpus'):
+    assert resume.check_config(saved, cfg(same), 'ckpt 5', False) == {}
+  moved = cfg(tmp_path / 'moved')
+  with pytest.raises(config_lib.ConfigError, match='--allow-config-change'):
+    resume.check_config(saved, moved, 'ckpt 5', allow_change=False)
+  assert resume.check_config(saved, moved, 'ckpt 5', True) == {
+      'data.corpus': (str(tmp_path / 'corpus'), str(tmp_path / 'moved'))}
+
+
 def test_unused_method_sections_are_not_compared():
   saved = config_lib.to_dict(config_lib.load(None, []))  # adamw
   current = config_lib.to_dict(config_lib.load(
@@ -471,6 +507,13 @@ def test_rerunning_a_finished_run_logs_nothing_twice(corpus, tmp_path):
   trainer.train(cfg)
   records = read_jsonl(str(tmp_path / 'metrics.jsonl'))
   assert [r['split'] for r in records] == ['train'] * 3 + ['eval']
+  # Fewer steps than the run has trained: refused, not an eval of the
+  # 3-step model logged as step 2.
+  with pytest.raises(config_lib.ConfigError, match=(
+      r'ckpt/3 is past steps=2: the run has trained 3 steps. Set steps >= 3')):
+    trainer.train(_cfg(corpus, tmp_path, '--config.steps=2',
+                       '--config.ckpt_every=0'), allow_config_change=True)
+  assert read_jsonl(str(tmp_path / 'metrics.jsonl')) == records
 
 
 def test_a_checkpoint_of_another_mesh_says_so(corpus, tmp_path):

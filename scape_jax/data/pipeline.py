@@ -76,6 +76,14 @@ class _WindowSampler:
     self.seed = seed
     # Windows per epoch, such that any offset in [0, max_offset] fits them.
     self.windows_per_epoch = max(1, (num_tokens - seq_len) // seq_len)
+    if self.windows_per_epoch < global_batch_size:
+      raise ValueError(
+          f'training split has {num_tokens} tokens = '
+          f'{self.windows_per_epoch} window(s) of seq_len + 1 = '
+          f'{seq_len + 1} per epoch, fewer than one batch of '
+          f'{global_batch_size}: every batch would repeat windows; use a '
+          'larger corpus, or a smaller batch or seq_len'
+      )
     self.max_offset = min(
         seq_len - 1, num_tokens - 1 - self.windows_per_epoch * seq_len
     )
@@ -243,8 +251,9 @@ def eval_batches(
     raise ValueError(
         f'val.bin in {data_dir!r} has {len(tokens)} tokens = {available} '
         f'windows of seq_len {seq_len} (+1), not enough for '
-        f'{num_batches or 1} batch(es) of {batch_size}; use fewer/smaller eval '
-        'batches or a larger validation split'
+        f'{num_batches or 1} batch(es) of {batch_size} (the training batch '
+        'size); use fewer eval batches (eval_batches), a smaller batch or '
+        'seq_len, or prepare a larger validation split (--val-fraction)'
     )
   offsets = np.arange(seq_len + 1)
   batches = []

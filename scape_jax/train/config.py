@@ -428,6 +428,8 @@ def _problems(cfg: Config) -> list[str]:
   d, m = cfg.data, cfg.mesh
   checks = [
       (cfg.steps > 0, f'steps must be > 0, got {cfg.steps}'),
+      # (the model's init key is 32 bits: 2**32 would repeat seed 0's)
+      (0 <= cfg.seed < 2**32, f'seed must be in [0, 2**32), got {cfg.seed}'),
       (cfg.log_every > 0, f'log_every must be > 0, got {cfg.log_every}'),
       (cfg.eval_every >= 0, f'eval_every must be >= 0, got {cfg.eval_every}'),
       (cfg.eval_batches >= 1,

@@ -10,16 +10,23 @@ Before any array is read, the config the checkpoint was saved with is
 compared with the current one, key by key (`config_changes`):
 
 * `RESUME_SAFE_KEYS` (logging, evaluation and checkpoint intervals, where
-  outputs go, rematerialisation) may change freely; the change is reported;
-* `STRUCTURAL_KEYS` (method, model, mesh, seed, batch and data) define the
-  state's shapes or the data order: a change is refused, whatever the flag;
+  outputs go, rematerialisation, FCDP's placement) may change freely; the
+  change is reported;
+* `STRUCTURAL_KEYS` (method, model, mesh, seed, batch and sequence length)
+  define the state's shapes or the data order: a change is refused,
+  whatever the flag;
 * any other change (learning rate, schedule, `steps`, a method's own keys,
-  ...) alters what the run computes from there on. It is refused unless
+  the corpus or tokenizer moved to another path, ...) is refused unless
   `allow_config_change` (`train.py --allow-config-change`); then it is
-  reported and recorded in every later checkpoint's `config_history`.
+  reported and recorded in every later checkpoint's `config_history`. The
+  data itself is checked by content when the data position is restored.
+
+A key added to the config since the checkpoint was written is no change at
+its default, and `PATH_KEYS` are compared as the files they name.
 """
 
 import dataclasses
+import os
 from typing import Any, Callable, Mapping, Optional
 
 import jax
@@ -50,8 +57,14 @@ STRUCTURAL_KEYS = ('optimizer.name', 'optimizer.diloco.inner',
                    'optimizer.scape.variant', 'optimizer.radius.density',
                    'optimizer.radius.index_radius', 'model.preset',
                    'model.param_dtype', 'model.lora.rank',
-                   'model.lora.targets', 'mesh.', 'seed', 'data.corpus',
-                   'data.tokenizer', 'data.seq_len', 'data.batch_size')
+                   'model.lora.targets', 'mesh.', 'seed', 'data.seq_len',
+                   'data.batch_size')
+# Paths compared as the files they name (a trailing slash, a relative path
+# or a symlink is no change). Moved elsewhere they need the flag: the
+# restore then checks the data by content (the corpus's sha256 in the saved
+# data position; the tokenizer the corpus was made with against
+# data.tokenizer).
+PATH_KEYS = ('data.corpus', 'data.tokenizer')
 # Safe only where the restore converts the state (`convert.converts_modes`);
 # structural elsewhere, e.g. SCAPE inside DiLoCo.
 CONVERTED_KEYS = ('optimizer.scape.distributed',)
@@ -88,18 +101,33 @@ def config_changes(saved: Mapping[str, Any],
                    current: Mapping[str, Any]) -> dict[str, tuple]:
   """{dotted key: (saved value, current value)} for every differing key.
 
-  The sections of methods that neither config uses are left out.
+  The sections of methods that neither config uses are left out. A key the
+  saved config lacks (added to the config since) is no change when it has
+  its default: the saved run did what the default does.
   """
   old, new = config_lib.flatten(saved), config_lib.flatten(current)
+  defaults = config_lib.flatten(config_lib.to_dict(config_lib.Config()))
   in_use = _methods_in_use(saved) | _methods_in_use(current)
   changes = {}
   for key in sorted(old.keys() | new.keys()):
     if _unused_section(key, in_use):
       continue
     before, after = old.get(key, _ABSENT), new.get(key, _ABSENT)
+    if before is _ABSENT and key in defaults and after == defaults[key]:
+      continue
+    if key in PATH_KEYS and _same_path(before, after):
+      continue
     if before != after:
       changes[key] = (before, after)
   return changes
+
+
+def _same_path(a, b) -> bool:
+  """Whether `a` and `b` name one existing file or directory."""
+  if not (isinstance(a, str) and isinstance(b, str) and os.path.exists(a)
+          and os.path.exists(b)):
+    return a == b
+  return os.path.samefile(a, b)
 
 
 def _is_structural(key: str) -> bool:
@@ -193,8 +221,9 @@ def restore_or_init(cfg: config_lib.Config, program, ckpt: Checkpointer,
   """The newest checkpoint that verifies, else a new state (see module doc).
 
   Raises:
-    ConfigError: the config changed in a way that is not allowed, or the
-      prepared corpus is not the one the checkpoint was trained on.
+    ConfigError: the config changed in a way that is not allowed, the
+      checkpoint is past `cfg.steps`, or the prepared corpus is not the one
+      the checkpoint was trained on.
     CheckpointError: the checkpoints do not fit the program, or none of them
       verifies (then nothing is moved).
   """
@@ -211,6 +240,11 @@ def restore_or_init(cfg: config_lib.Config, program, ckpt: Checkpointer,
       _, extras = ckpt.read_extras(step)
       changes = check_config(extras.get('config', {}), current, where,
                              allow_config_change)
+      if step > cfg.steps:
+        raise config_lib.ConfigError(
+            f'{where} is past steps={cfg.steps}: the run has trained {step} '
+            f'steps. Set steps >= {step} to go on from it, or use another '
+            'out_dir for a shorter run.')
       state, extras = _restore(program, ckpt, step, target,
                                extras.get('mesh'))
     except CorruptCheckpointError as e:
