@@ -3,7 +3,10 @@
 # fused qkv c_attn and attn.c_proj), base weights frozen, the fsdp group over
 # all 8 devices in two levels, and all three FCDP switches on. Turn switches
 # off one at a time to measure each (bench/fcdp_volume.py does this on the
-# compiled step). Give the corpus with --config.data.corpus=DIR.
+# compiled step). Give the corpus with --config.data.corpus=DIR and the
+# pretrained base with --config.model.init_from=DIR (a transformers GPT-2
+# medium directory); without it the frozen base is random (enough to measure
+# traffic and speed, as bench/fcdp_volume.py does).
 model = dict(preset='gpt345m', remat=True,
              lora=dict(rank=16, alpha=32.0, targets=['c_attn', 'attn.c_proj']))
 optimizer = dict(name='adamw', lr=2e-4, warmup_steps=100, weight_decay=0.0)

@@ -96,6 +96,9 @@ def _cfg(*overrides):
     (['--config.model.lora.targets=q_proj', '--config.model.lora.rank=0'],
      'model.lora.rank must be >= 1, got 0'),
     (['--config.model.lora.rank=-2'], 'model.lora.rank must be >= 1, got -2'),
+    (['--config.model.lora.rank=16'], r'model.lora.rank=16 has no effect '
+     r'without model.lora.targets \(LoRA is off: every parameter trains\)'),
+    (['--config.model.lora.alpha=32'], 'model.lora.alpha=32.0 has no effect'),
     (['--config.model.lora.targets=q_proj', '--config.model.lora.alpha=0'],
      'model.lora.alpha must be > 0'),
     (['--config.fcdp.lora_aware=true'], 'fcdp.lora_aware needs LoRA'),
@@ -110,6 +113,17 @@ def _cfg(*overrides):
 def test_bad_settings_are_clear_errors(overrides, message):
   with pytest.raises(config_lib.ConfigError, match=message):
     trainer.build_program(_cfg(*overrides))
+
+
+def test_adapters_on_a_random_base_are_noted():
+  """LoRA without model.init_from trains adapters on a random frozen base:
+  legal (the FCDP traffic benchmarks do it), but said."""
+  program = trainer.build_program(_cfg('--config.model.lora.targets=q_proj'))
+  assert program.notes == (
+      'model.lora.targets without model.init_from: the frozen base is a '
+      'random initialisation (fine for measuring traffic and speed, not for '
+      'fine-tuning); model.init_from=DIR starts from a Hugging Face '
+      'GPT-2/Llama directory',)
 
 
 @pytest.mark.parametrize('args, message', [

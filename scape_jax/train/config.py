@@ -479,6 +479,10 @@ def _fcdp_problems(cfg: Config) -> list[str]:
       (not f.lora_aware or bool(lora.targets), 'fcdp.lora_aware needs LoRA: '
        'set model.lora.targets'),
   ]
+  checks += [(bool(lora.targets), f'model.lora.{k}={getattr(lora, k)} has no '
+              'effect without model.lora.targets (LoRA is off: every '
+              'parameter trains); set the layers that get adapters')
+             for k in ('rank', 'alpha') if methods.changed(lora, k)]
   return [message for ok, message in checks if not ok]
 
 

@@ -142,7 +142,7 @@ def selected(cfg) -> list:
   return chosen
 
 
-def _changed(obj, name: str) -> bool:
+def changed(obj, name: str) -> bool:
   """Whether dataclass `obj`'s field `name` differs from its default."""
   field = {f.name: f for f in dataclasses.fields(obj)}[name]
   return getattr(obj, name) != field.default
@@ -153,7 +153,7 @@ def no_effect(cfg, total_steps: int) -> list:
   effect in a run of `total_steps` (e.g. a sync period longer than the
   run): such a run trains something other than what was asked."""
   problems = []
-  if cfg.decay == 'constant' and _changed(cfg, 'min_lr_ratio'):
+  if cfg.decay == 'constant' and changed(cfg, 'min_lr_ratio'):
     problems.append(f'optimizer.min_lr_ratio={cfg.min_lr_ratio} has no effect '
                     "with optimizer.decay='constant'")
   for spec, section in selected(cfg):
@@ -169,7 +169,7 @@ def unread_notes(cfg) -> list:
   notes = []
   for spec, _ in selected(cfg):
     keys = [f'optimizer.{k}={getattr(cfg, k)}' for k in spec.unread
-            if _changed(cfg, k)]
+            if changed(cfg, k)]
     if keys:
       notes.append(f'optimizer.name={spec.name!r} does not read '
                    f'{", ".join(keys)} ({spec.unread_why})')
@@ -312,14 +312,14 @@ def _wire_options(section: ScapeConfig) -> dict:
 def _scape_no_effect(cfg, section: ScapeConfig, total_steps: int) -> list:
   del cfg, total_steps
   problems = []
-  if not section.offload and _changed(section, 'offload_kind'):
+  if not section.offload and changed(section, 'offload_kind'):
     problems.append(f'offload_kind={section.offload_kind!r} has no effect '
                     'with offload=False')
   if section.offload and section.offload_kind == sharding_memory.DEVICE:
     problems.append("offload_kind='device' keeps the residual in device "
                     'memory: set offload=False, or a host memory kind '
                     f'({sharding_memory.HOST!r})')
-  if section.density_warmup_steps == 0 and _changed(section,
+  if section.density_warmup_steps == 0 and changed(section,
                                                     'density_levels'):
     problems.append(f'density_levels={section.density_levels} has no effect '
                     'with density_warmup_steps=0 (no warmup: one level)')
@@ -540,7 +540,7 @@ def _pier_no_effect(cfg, section: PierConfig, total_steps: int) -> list:
   problems = _no_sync(section, total_steps)
   for key, switch in (('outer_momentum', 'momentum_decay'),
                       ('outer_lr', 'outer_lr_schedule')):
-    if getattr(section, switch) and _changed(section, key):
+    if getattr(section, switch) and changed(section, key):
       problems.append(f'{key}={getattr(section, key)} has no effect while '
                       f'{switch}=True (its schedule sets it); set {switch}='
                       'False to use it')

@@ -294,6 +294,11 @@ def build_program(cfg: Config, devices=None) -> Program:
   p_shard = layout.param_shardings()
   notes = (methods.unread_notes(cfg.optimizer) +
            methods.schedule_notes(cfg.optimizer, cfg.steps))
+  if cfg.model.lora.targets and not cfg.model.init_from:
+    notes.append('model.lora.targets without model.init_from: the frozen '
+                 'base is a random initialisation (fine for measuring '
+                 'traffic and speed, not for fine-tuning); model.init_from='
+                 'DIR starts from a Hugging Face GPT-2/Llama directory')
   if layout.per_replica and layout.replicas == 1:
     notes.append(f'optimizer.name={spec.name!r} with mesh.replica=1 runs one '
                  'group: the outer step averages nothing (a lookahead on one '
