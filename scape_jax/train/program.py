@@ -384,11 +384,15 @@ def _print_memory(report: dict) -> None:
     print(f'per-device host memory: {g("host_bytes")} GiB = parameters kept '
           f'on host {g("host_params_bytes")} + optimizer state kept on host '
           f'{g("host_opt_bytes")} + values the step offloads '
-          f'{g("host_offload_bytes")}; device memory without them '
-          f'{g("device_bytes_placed")} GiB. The compiled host fields say '
-          f'{g("host_compiled_bytes")} GiB (0 on the CPU, whose compiler '
+          f'{g("host_offload_bytes")}; device memory without the state kept '
+          f'on host {g("device_bytes_placed")} GiB. The compiled host fields '
+          f'say {g("host_compiled_bytes")} GiB (0 on the CPU, whose compiler '
           'keeps host-placed values in its one memory and counts them as '
           'device memory above)')
+    if report['host_offload_bytes'] and not report['host_compiled_bytes']:
+      print('  (the values the step offloads stay among the temporaries '
+            'counted as device memory here: on a GPU or TPU the device '
+            'figure is lower)')
 
 
 # SCAPE's Pallas selections and their jnp twins (the same passes in jnp).
