@@ -390,9 +390,9 @@ def _print_memory(report: dict) -> None:
           'keeps host-placed values in its one memory and counts them as '
           'device memory above)')
     if report['host_offload_bytes'] and not report['host_compiled_bytes']:
-      print('  (the values the step offloads stay among the temporaries '
-            'counted as device memory here: on a GPU or TPU the device '
-            'figure is lower)')
+      print('  (on the CPU the values the step offloads stay among the '
+            'temporaries counted as device memory: a GPU or TPU compile '
+            'places them in host memory)')
 
 
 # SCAPE's Pallas selections and their jnp twins (the same passes in jnp).
