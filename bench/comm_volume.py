@@ -502,6 +502,7 @@ def main(argv=None):
                  help=f'do not add {FAST_BACKEND_FLAG} (compiles slower)')
   p.add_argument('--out', default=OUT)
   args = p.parse_args(argv)
+  cli_types.check_out_dir(p, args.out)
   if not args.full_backend_opt and 'backend_optimization' not in (
       os.environ['XLA_FLAGS']):  # Read when the backend starts, not at import.
     os.environ['XLA_FLAGS'] += ' ' + FAST_BACKEND_FLAG

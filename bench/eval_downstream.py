@@ -220,7 +220,9 @@ def write_docs(run: str, results: dict, command: str) -> None:
       'chance: this records that the path from a checkpoint to '
       'lm-eval works, not a score.',
   ]
-  results_md.replace_section('docs/results.md', 'downstream', lines)
+  results_md.replace_section(
+      os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+          __file__))), 'docs', 'results.md'), 'downstream', lines)
 
 
 def _limit(text: str) -> int:

@@ -46,6 +46,9 @@ if 'jax' not in sys.modules:  # Scripts only; tests set their own devices.
 
 import jax  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cli_types  # noqa: E402
+
 import models  # noqa: E402
 from scape_jax import analysis  # noqa: E402
 from scape_jax import train as trainer  # noqa: E402
@@ -260,6 +263,7 @@ def main(argv=None):
   p.add_argument('--full-backend-opt', action='store_true',
                  help=f'do not add {FAST_BACKEND_FLAG} (compiles slower)')
   args = p.parse_args(argv)
+  cli_types.check_out_dir(p, args.out)
   if not args.full_backend_opt and 'backend_optimization' not in (
       os.environ['XLA_FLAGS']):
     os.environ['XLA_FLAGS'] += ' ' + FAST_BACKEND_FLAG

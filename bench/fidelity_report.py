@@ -27,8 +27,10 @@ from fidelity_variants import variant_text  # noqa: E402
 import results_md  # noqa: E402
 from scape_jax.train import config as config_lib  # noqa: E402
 
-DOC = 'docs/results.md'
-PLOTS = 'docs/bench'
+# This checkout's docs, wherever the script is run from.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOC = os.path.join(_ROOT, 'docs', 'results.md')
+PLOTS = os.path.join(_ROOT, 'docs', 'bench')
 WITHIN = 0.01  # "matches AdamS": final eval loss within 1%
 DPI = 72  # small PNGs in the repository
 # How the section states the runs it was made from (`check_not_fewer` reads

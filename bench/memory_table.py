@@ -51,6 +51,9 @@ if 'jax' not in sys.modules:  # Scripts only; tests set their own devices.
 
 import jax  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cli_types  # noqa: E402
+
 from scape_jax import analysis  # noqa: E402
 from scape_jax import train as trainer  # noqa: E402
 from scape_jax.train import config as config_lib  # noqa: E402
@@ -164,6 +167,7 @@ def main(argv=None):
                  help='bytes from the shardings only (seconds, not minutes)')
   p.add_argument('--out', default=OUT)
   args = p.parse_args(argv)
+  cli_types.check_out_dir(p, args.out)
   configs = {(name, mode): _config_or_usage_error(p, name, mode)
              for name in args.configs for mode in args.modes}
   t0 = time.perf_counter()

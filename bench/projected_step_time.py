@@ -192,6 +192,7 @@ def main(argv=None):
   p.add_argument('--tag', default=None, help='output file suffix')
   p.add_argument('--out', default=OUT)
   args = p.parse_args(argv)
+  cli_types.check_out_dir(p, args.out)
   if not os.path.isfile(args.comm_json):
     p.error(f'--comm-json {args.comm_json!r}: no such file; '
             'bench/comm_volume.py writes it')

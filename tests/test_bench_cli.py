@@ -65,6 +65,11 @@ USAGE_ERRORS = [
     ('optimizer_overhead', 'main', ['--densities', '0'], 'density 0.0'),
     ('optimizer_overhead', 'main', ['--quick', '--out', '{file}/x'],
      'cannot create it'),
+    # Checked before compiling (it ended a run's hour with a traceback).
+    ('comm_volume', 'main', ['--out', '{file}/x'], 'cannot create it'),
+    ('projected_step_time', 'main', ['--out', '{file}/x'], 'cannot create it'),
+    ('fcdp_volume', 'main', ['--out', '{file}/x'], 'cannot create it'),
+    ('memory_table', 'main', ['--out', '{file}/x'], 'cannot create it'),
     ('update_profile', 'main', ['--calls', '0'], 'argument --calls'),
     ('update_profile', 'main', ['--top', '0'], 'argument --top'),
     ('update_phases', 'main', ['--repeats', '0'], 'argument --repeats'),
