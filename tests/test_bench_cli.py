@@ -70,6 +70,9 @@ USAGE_ERRORS = [
     ('projected_step_time', 'main', ['--out', '{file}/x'], 'cannot create it'),
     ('fcdp_volume', 'main', ['--out', '{file}/x'], 'cannot create it'),
     ('memory_table', 'main', ['--out', '{file}/x'], 'cannot create it'),
+    ('select_crossover', 'main', ['--selects', 'sort'],
+     'name at least two selects'),
+    ('select_crossover', 'main', ['--out', '{file}/x'], 'cannot create it'),
     ('update_profile', 'main', ['--calls', '0'], 'argument --calls'),
     ('update_profile', 'main', ['--top', '0'], 'argument --top'),
     ('update_phases', 'main', ['--repeats', '0'], 'argument --repeats'),
@@ -157,6 +160,20 @@ def test_convergence_and_wire_fidelity_write_docs_of_this_checkout(
   with pytest.raises(SystemExit):
     convergence.arguments('', 'x')
   assert 'argument --steps' in capsys.readouterr().err
+
+
+def test_select_crossover_writes_its_table_with_its_command(tmp_path,
+                                                           capsys):
+  argv = ['--chunks', '1024', '--widths', '10', '100', '--out', str(tmp_path)]
+  _main('select_crossover')(argv)
+  text = (tmp_path / 'select_crossover.md').read_text()
+  lines = text.splitlines()
+  assert lines[0] == ('<!-- python bench/select_crossover.py '
+                      + ' '.join(argv) + ' -->')
+  rows = [line for line in lines if line.startswith('| 1,024 |')]
+  assert [r.split(' | ')[1] for r in rows] == ['102', '10']
+  assert all(r.endswith('| sort |') for r in rows)  # auto's choice on cpu
+  assert rows[0] in capsys.readouterr().out  # printed as measured
 
 
 @pytest.mark.parametrize('label, message', [
