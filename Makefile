@@ -63,7 +63,7 @@ results-wire:
 # Regenerates docs/bench/ (tables, CSV/JSON, plot); see docs/benchmarks.md.
 bench:
 	JAX_PLATFORMS=cpu $(PY) bench/comm_volume.py
-	JAX_PLATFORMS=cpu $(PY) bench/optimizer_overhead.py
+	JAX_PLATFORMS=cpu $(PY) bench/optimizer_overhead.py --repeats 15
 	JAX_PLATFORMS=cpu $(PY) bench/fcdp_volume.py
 	JAX_PLATFORMS=cpu $(PY) bench/projected_step_time.py --model llama500m --workers 32
 	JAX_PLATFORMS=cpu $(PY) bench/projected_step_time.py --model llama500m --workers 32 --effective-tflops 400 --tokens-per-worker 131072
