@@ -77,10 +77,11 @@ bench-network:
 
 # The fidelity study (docs/results.md, "Fidelity"): resumable, niced; each
 # command starts no new run after --hours. Two `grid` processes may run at
-# once (lock files share the runs out). `report` stops, changing nothing,
+# once (lock files share the runs out). `report` and `targets` stop, changing nothing,
 # where runs/ holds fewer runs than the section was made from
 # (--allow-fewer writes it anyway).
 fidelity:
 	$(CPU8) nice -n 10 $(PY) bench/fidelity.py figures --hours 12
 	$(CPU8) nice -n 10 $(PY) bench/fidelity.py grid --hours 12
 	$(CPU8) $(PY) bench/fidelity.py report
+	$(CPU8) $(PY) bench/fidelity.py targets
