@@ -198,6 +198,11 @@ def main(argv=None):
             'bench/comm_volume.py writes it')
   with open(args.comm_json) as f:
     data = json.load(f)
+  there = sorted({r['model'] for r in data['rows']})
+  if args.model not in there:
+    p.error(f'--model {args.model!r}: {args.comm_json} has rows for '
+            f'{", ".join(there)}; bench/comm_volume.py --models NAME adds a '
+            "preset's rows (models.PRESETS)")
   rows = find_rows(data['rows'], args.model, args.workers)
   params = rows[0]['params']
   compute_s, source, tag = compute_time(args, params)

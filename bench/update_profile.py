@@ -28,6 +28,8 @@ import optimizer_overhead as oo  # noqa: E402  (sets JAX_PLATFORMS=cpu)
 
 import jax  # noqa: E402
 
+from scape_jax.comm import topk  # noqa: E402
+
 # Trace events that are wrappers of the ops, not ops.
 _WRAPPERS = ('ThunkExecutor', '$', 'Pjit', 'Common', 'Parse', 'Alloc',
              'Handle', 'PjRt', 'Thunk')
@@ -43,7 +45,9 @@ def method(label: str):
   except (ValueError, argparse.ArgumentTypeError) as e:
     raise SystemExit(f'--method {label!r}: {e}') from None
   if label not in table:
-    raise SystemExit(f'--method {label!r}; allowed: {sorted(table)}')
+    raise SystemExit(f"--method {label!r}; allowed: 'optax.adamw', 'adams' "
+                     "or 'scape d=X' with X in (0, 1], optionally followed "
+                     f"by ' select=S', S one of {topk.SELECTS}")
   return table[label]
 
 

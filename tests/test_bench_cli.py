@@ -87,6 +87,8 @@ USAGE_ERRORS = [
      'argument --effective-tflops: 0.0: must be > 0'),
     ('projected_step_time', 'main',
      ['--compute-ms', '1', '--comm-json', '{missing}'], 'no such file'),
+    ('projected_step_time', 'main', ['--compute-ms', '1', '--model', 'bogus'],
+     "--model 'bogus': "),
     ('comm_volume', 'main', ['--no-outer', '--outer-only'],
      'not allowed with argument --no-outer'),
     ('comm_volume', 'main', ['--outer-only', '--workers', '4'],
@@ -180,7 +182,8 @@ def test_select_crossover_writes_its_table_with_its_command(tmp_path,
     ('scape d=abc', "'abc' is not a number"),
     ('scape d=0', 'density 0.0: must be in (0, 1]'),
     ('scape d=0.1 select=bogus', "select='bogus'"),
-    ('nope', 'allowed:'),
+    ('nope', "allowed: 'optax.adamw', 'adams' or 'scape d=X' with X in "
+     "(0, 1], optionally followed by ' select=S'"),
 ])
 def test_update_profile_names_a_bad_method(label, message):
   with pytest.raises(SystemExit, match=re.escape(message)):
