@@ -38,9 +38,9 @@ from scape_jax.train import program as program_lib
 from scape_jax.train.checkpoint import Checkpointer, CheckpointError
 
 
-def _abstract_params(cfg: config_lib.Config):
+def _abstract_params(cfg: config_lib.Config, init_from_config=None):
   """(model config, params target of the checkpoint on one device, replicas)."""
-  model_cfg, shapes = program_lib.param_shapes(cfg)
+  model_cfg, shapes = program_lib.param_shapes(cfg, init_from_config)
   per_replica = methods.get(cfg.optimizer.name).per_replica
   lead = (cfg.mesh.replica,) if per_replica else ()
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -146,7 +146,8 @@ def export(run_dir: str, out_dir: str, step: Optional[int] = None, *,
   cfg = config_lib.from_dict(extras['config'])
   spec = (_tokenizer_spec(cfg, extras, tokenizer) if write_tokenizer
           else None)
-  model_cfg, target, per_replica = _abstract_params(cfg)
+  model_cfg, target, per_replica = _abstract_params(
+      cfg, extras.get('init_from_config'))  # (runs from before: the dir)
   state, _ = ckpt.restore(step, {'params': target}, partial=True)
   params = jax.device_get(state['params'])
   if per_replica:

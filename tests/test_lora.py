@@ -271,3 +271,35 @@ def test_export_merges_a_runs_adapters(tmp_path, monkeypatch):
   assert not np.array_equal(
       saved['params']['layers'][0]['self_attn']['q_proj']['kernel'],
       q_proj['kernel'])
+
+
+def test_export_needs_no_init_from_directory(tmp_path, monkeypatch):
+  """A run started from a transformers directory records its config.json;
+  the export reads that, so the directory may be gone (it was a ConfigError
+  although the checkpoint holds every weight)."""
+  from scape_jax import export_hf  # pylint: disable=g-import-not-at-top
+  from scape_jax.train import trainer as trainer_mod  # pylint: disable=g-import-not-at-top
+  from scape_jax.train.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
+  base_cfg = models.get_config('llama-tiny')
+  recorded = hf.to_hf_config(base_cfg)
+  cfg = config_lib.load(None, ['--config.model.init_from=/pretrained'])
+  monkeypatch.setattr(hf, 'read_config', lambda d: dict(recorded))
+  saver = trainer_mod._Saver(cfg, None, None, [], trainer.build_program(
+      config_lib.load(None, [])).mesh)
+  assert saver._init_from == recorded  # what the checkpoints carry
+  params = _params(models.build(base_cfg, rngs=models.rngs(0)))
+  with Checkpointer(str(tmp_path / 'run' / 'ckpt')) as ckpt:
+    ckpt.save(3, {'params': params}, {'config': config_lib.to_dict(cfg),
+                                      'init_from_config': recorded})
+
+  def gone(directory):
+    raise FileNotFoundError(f'{directory}/config.json not found')
+  monkeypatch.setattr(hf, 'read_config', gone)
+  saved = {}
+  monkeypatch.setattr(hf, 'save_pretrained',
+                      lambda d, c, p, **kw: saved.update(params=p))
+  export_hf.export(str(tmp_path / 'run'), str(tmp_path / 'out'),
+                   write_tokenizer=False)
+  jax.tree.map(np.testing.assert_array_equal, saved['params'],
+               jax.tree.map(np.asarray, params))
+

@@ -135,13 +135,18 @@ def _lora(cfg: Config) -> Optional[models.LoraSpec]:
   return models.LoraSpec(lora.rank, lora.alpha, lora.targets)
 
 
-def model_config(cfg: Config) -> models.Config:
-  """The model's shape: `model.init_from`'s config.json, else the preset."""
+def model_config(cfg: Config, init_from_config=None) -> models.Config:
+  """The model's shape: `model.init_from`'s config.json, else the preset.
+
+  `init_from_config`, given, is that config.json as a run recorded it (the
+  directory need not exist any more).
+  """
   m = cfg.model
   overrides = dict(remat=m.remat, attn_impl=m.attn_impl, lora=_lora(cfg))
   if m.init_from:
     try:
-      return hf.from_hf_config(hf.read_config(m.init_from), **overrides)
+      return hf.from_hf_config(init_from_config or hf.read_config(
+          m.init_from), **overrides)
     except (OSError, ValueError) as e:
       raise ConfigError(f'model.init_from={m.init_from!r}: {e}') from e
   if m.preset not in models.PRESETS:
@@ -153,9 +158,9 @@ def model_config(cfg: Config) -> models.Config:
     raise ConfigError(str(e)) from e
 
 
-def _model(cfg: Config):
+def _model(cfg: Config, init_from_config=None):
   """(model config, create, graphdef, abstract nnx state)."""
-  model_cfg = model_config(cfg)
+  model_cfg = model_config(cfg, init_from_config)
   if cfg.data.seq_len > model_cfg.max_seq_len:
     raise ConfigError(
         f'data.seq_len={cfg.data.seq_len} exceeds the max_seq_len '
@@ -171,9 +176,9 @@ def _model(cfg: Config):
   return model_cfg, create, graphdef, abstract_state
 
 
-def param_shapes(cfg: Config) -> tuple:
+def param_shapes(cfg: Config, init_from_config=None) -> tuple:
   """(model config, one model copy's params as ShapeDtypeStructs)."""
-  model_cfg, _, _, abstract_state = _model(cfg)
+  model_cfg, _, _, abstract_state = _model(cfg, init_from_config)
   return model_cfg, nnx.to_pure_dict(abstract_state)
 
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scape_jax import analysis
+from scape_jax import hf
 from scape_jax.train import agreement
 from scape_jax.train import config as config_lib
 from scape_jax.train import guard
@@ -276,6 +277,10 @@ class _Saver:
     self._cfg, self._ckpt, self._feed = cfg, ckpt, feed
     self._history = config_history
     self._mesh = resume.mesh_sizes(mesh)
+    # The base model's config.json (build_program has just read it): an
+    # export then needs no model.init_from directory.
+    self._init_from = (hf.read_config(cfg.model.init_from)
+                       if cfg.model.init_from else None)
 
   @property
   def directory(self) -> str:
@@ -287,7 +292,9 @@ class _Saver:
                      'config': config_lib.to_dict(self._cfg),
                      'config_history': self._history,
                      'tokenizer': self._feed.tokenizer,
-                     'mesh': self._mesh})
+                     'mesh': self._mesh,
+                     **({'init_from_config': self._init_from}
+                        if self._init_from is not None else {})})
 
 
 def _checkpoint_due(cfg: config_lib.Config, done: int) -> bool:
