@@ -109,6 +109,11 @@ def test_interrupted_save_is_invisible(tmp_path, mesh):
   assert ckpt.all_steps() == [5]
   with pytest.raises(checkpoint.CheckpointError, match='step 9'):
     ckpt.restore(9, _abstract(_state(mesh)))
+  # The next run's first save removes it (they piled up, run after run).
+  ckpt.close()
+  with checkpoint.Checkpointer(str(tmp_path / 'ckpt')) as again:
+    again.save(6, _state(mesh), {'note': 'next run'})
+  assert sorted(os.listdir(tmp_path / 'ckpt')) == ['5', '6']
 
 
 def test_missing_directory_and_step(tmp_path, mesh):

@@ -239,8 +239,11 @@ class Checkpointer:
 
   def _write_manager(self) -> ocp.CheckpointManager:
     if self._writer is None:
+      # A save killed part-way leaves a tmp directory; the first save of the
+      # next run removes them (they are never a checkpoint).
       options = ocp.CheckpointManagerOptions(max_to_keep=self.max_to_keep,
-                                             create=True)
+                                             create=True,
+                                             cleanup_tmp_directories=True)
       self._writer = ocp.CheckpointManager(self.directory, options=options,
                                            item_names=_ITEMS)
     return self._writer
