@@ -8,6 +8,7 @@ checks), then a few short runs of the trainer that share one small corpus.
 import dataclasses
 import json
 import os
+import re
 import warnings
 
 import jax
@@ -516,10 +517,10 @@ def test_rerunning_a_finished_run_logs_nothing_twice(corpus, tmp_path):
   assert read_jsonl(str(tmp_path / 'metrics.jsonl')) == records
 
 
-def test_a_checkpoint_of_another_mesh_says_so(corpus, tmp_path):
+def test_a_checkpoint_of_another_mesh_says_so(corpus, tmp_path, capsys):
   """SCAPE's per-worker state saved on 8 workers does not fit 4; the error
   names both meshes first (it listed shape mismatches only). AdamW, whose
-  state has no per-worker fields, resumes there."""
+  state has no per-worker fields, resumes there, and says so."""
   for name in ('scape', 'adamw'):
     out = tmp_path / name
     method = (f'--config.optimizer.name={name}',
@@ -527,9 +528,13 @@ def test_a_checkpoint_of_another_mesh_says_so(corpus, tmp_path):
     trainer.train(_cfg(corpus, out, '--config.steps=2', *method))
     later = _cfg(corpus, out, '--config.steps=3', *method)
     if name == 'adamw':
+      capsys.readouterr()
       resumed = trainer.train(later, jax.devices()[:4],
                               allow_config_change=True)
       assert resumed['start_step'] == 2
+      assert re.search(r"resuming step 2, saved on a mesh of \{.*'data': 8.*\}"
+                       r" devices per axis, on this run's \{.*'data': 4.*\}: "
+                       'the state is re-sharded', capsys.readouterr().out)
       continue
     with pytest.raises(checkpoint.CheckpointError, match=(
         r"ckpt/2 was saved on a mesh of \{.*'data': 8.*\} devices per axis; "

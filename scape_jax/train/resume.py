@@ -256,6 +256,11 @@ def restore_or_init(cfg: config_lib.Config, program, ckpt: Checkpointer,
       raise config_lib.ConfigError(
           f'{where}: cannot restore the data position: {e}') from e
     _set_aside(ckpt, skipped, step, say)
+    saved_mesh, mesh = extras.get('mesh'), mesh_sizes(program.mesh)
+    if saved_mesh is not None and saved_mesh != mesh:
+      say(f'resuming step {step}, saved on a mesh of {saved_mesh} devices '
+          f'per axis, on this run\'s {mesh}: the state is re-sharded; the '
+          'global batch and the data order are the same')
     history = list(extras.get('config_history', []))
     if changes:
       say(f'resuming step {step} with config changes:{_lines(changes)}')
