@@ -320,7 +320,7 @@ def _scape_no_effect(cfg, section: ScapeConfig, total_steps: int) -> list:
                     'memory: set offload=False, or a host memory kind '
                     f'({sharding_memory.HOST!r})')
   if section.density_warmup_steps == 0 and changed(section,
-                                                    'density_levels'):
+                                                   'density_levels'):
     problems.append(f'density_levels={section.density_levels} has no effect '
                     'with density_warmup_steps=0 (no warmup: one level)')
   return problems
