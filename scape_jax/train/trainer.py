@@ -225,6 +225,10 @@ class _Reporter:
   def restart_clock(self) -> None:
     self._t0 = time.perf_counter()
 
+  def exclude(self, seconds: float) -> None:
+    """Leaves `seconds` (an eval, a save) out of the next line's tok/s."""
+    self._t0 += seconds
+
   def record(self, step: int, metrics: dict) -> None:
     self._pending.append((step, metrics))
 
@@ -424,10 +428,15 @@ def _loop(cfg, program: Program, programs: StepPrograms, feed: _DataFeed,
     if done % cfg.log_every == 0 or done == cfg.steps or saving:
       reporter.flush()  # before a save: a resume starts after its lines
     if cfg.eval_every and done % cfg.eval_every == 0:
+      jax.block_until_ready(params)  # the steps' own time stays theirs
+      t = time.perf_counter()
       last_eval = eval_loss()
       reporter.eval(done, last_eval)
+      reporter.exclude(time.perf_counter() - t)
     if saving:
+      t = time.perf_counter()
       save(done, params, opt_state)
+      reporter.exclude(time.perf_counter() - t)
     if signum and done < cfg.steps:
       raise preemption.Interrupted(signum, done, (
           f'{preemption.name(signum)} received: stopped after step {done} '
