@@ -261,3 +261,55 @@ def test_resume_may_switch_fcdp_and_relabel_nodes(tmp_path):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
                                atol=1e-7)
 
+
+
+def _grid(processes, shape):
+  """A mesh's device grid of stand-ins on the given processes, in order."""
+  import types  # pylint: disable=g-import-not-at-top
+  devices = np.empty(len(processes), object)
+  devices[:] = [types.SimpleNamespace(process_index=p) for p in processes]
+  return devices.reshape(shape)
+
+
+@pytest.mark.parametrize('processes, shape, problem', [
+    # 2 hosts x 4 devices, fsdp=8 over nodes=2: each node a host.
+    ([0] * 4 + [1] * 4, (1, 1, 2, 4, 1), None),
+    # data=2 x (2 nodes x 2): every fsdp group spans both hosts.
+    ([0] * 4 + [1] * 4, (1, 2, 2, 2, 1),
+     'nodes 0 and 1 of the fsdp group at replica 0, data 0 are on one host'),
+    # 4 devices per host but 2 per node: a node inside a host.
+    ([0] * 4 + [1] * 4, (1, 1, 4, 2, 1),
+     'nodes 0 and 1 of the fsdp group at replica 0, data 0 are on one host'),
+    # 2 devices per host, 4 per node: a node over two hosts.
+    ([0, 0, 1, 1, 2, 2, 3, 3], (1, 1, 2, 4, 1),
+     "node 0 of the fsdp group at replica 0, data 0 has devices of 2 hosts"),
+])
+def test_the_node_axis_must_be_the_hosts(processes, shape, problem):
+  """The hierarchical gather and the traffic split take 'node' for the
+  network between hosts: in a multi-process run that is checked."""
+  got = sharding.mesh.node_problem(_grid(processes, shape),
+                                   lambda d: d.process_index)
+  assert got is None if problem is None else got.startswith(problem), got
+
+
+def test_a_multi_process_mesh_is_checked_against_the_hosts(monkeypatch):
+  from scape_jax.train import agreement  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  mesh = types.SimpleNamespace(devices=_grid([0] * 4 + [1] * 4,
+                                             (1, 2, 2, 2, 1)))
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+  # Two processes on two hosts (their names' checksums, gathered).
+  monkeypatch.setattr(agreement, '_all_gather',
+                      lambda x: np.array([[11], [22]], np.uint32))
+  with pytest.raises(config_lib.ConfigError, match=(
+      r'mesh.nodes=2: nodes 0 and 1 of the fsdp group at replica 0, data 0 '
+      r'are on one host.*Devices per host in this job: \[4\]; set mesh.fsdp '
+      r'/ mesh.nodes to the devices of one host')):
+    agreement.nodes_are_hosts(mesh, 2)
+  agreement.nodes_are_hosts(mesh, 1)  # one node: nothing to check
+  # The same two processes on one host: no node axis crosses hosts.
+  monkeypatch.setattr(agreement, '_all_gather',
+                      lambda x: np.array([[11], [11]], np.uint32))
+  mesh.devices = _grid([0] * 4 + [1] * 4, (1, 1, 2, 4, 1))
+  with pytest.raises(config_lib.ConfigError, match='are on one host'):
+    agreement.nodes_are_hosts(mesh, 2)

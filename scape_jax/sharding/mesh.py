@@ -6,8 +6,9 @@ so a 'fsdp' group is one run of consecutive devices: one host's devices when
 `mesh.fsdp // mesh.nodes` is its device count.
 """
 
+import itertools
 import math
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 from jax.sharding import AxisType
@@ -70,6 +71,35 @@ def make_mesh(*, replica: int = 1, data: int = -1, fsdp: int = 1,
   return jax.make_mesh(shape, MESH_AXES,
                        axis_types=(AxisType.Auto,) * len(MESH_AXES),
                        devices=devices[:total])
+
+
+def node_problem(grid, host: Callable[[Any], Any]) -> Optional[str]:
+  """Why the 'node' axis of a mesh's device grid is not its hosts, or None.
+
+  Args:
+    grid: `mesh.devices`, shaped (replica, data, node, fsdp, tensor).
+    host: the host of a device (any hashable).
+
+  The hierarchical gathers and the traffic split take the 'node' axis for
+  the network between hosts and 'fsdp' for the links inside one: each node
+  of an fsdp group must be one host's devices, and its nodes other hosts.
+  """
+  for r, d in itertools.product(*map(range, grid.shape[:2])):
+    nodes = [{host(x) for x in grid[r, d, n].flat}
+             for n in range(grid.shape[2])]
+    for n, hosts in enumerate(nodes):
+      if len(hosts) > 1:
+        return (f'node {n} of the fsdp group at replica {r}, data {d} has '
+                f'devices of {len(hosts)} hosts; each node must be one '
+                "host's devices")
+    seen = {}
+    for n, hosts in enumerate(nodes):
+      (h,) = hosts
+      if h in seen:
+        return (f'nodes {seen[h]} and {n} of the fsdp group at replica {r}, '
+                f'data {d} are on one host; the node axis must cross hosts')
+      seen[h] = n
+  return None
 
 
 def axis_size(mesh: jax.sharding.Mesh, name: str) -> int:

@@ -8,13 +8,16 @@ array, so every process sees every verdict and raises the same kind of
 error at the same point. With one process they cost nothing.
 """
 
+import collections
 import os
+import socket
 import zlib
 from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
 
+from scape_jax.sharding import mesh as sharding_mesh
 from scape_jax.train import config as config_lib
 
 # Keys that may differ between processes: per-host paths.
@@ -143,3 +146,24 @@ def shared_dir(path: str, what: str) -> None:
   finally:  # every process has read it
     if jax.process_index() == 0:
       os.remove(marker)
+
+
+def nodes_are_hosts(mesh: jax.sharding.Mesh, nodes: int) -> None:
+  """Raises ConfigError on every process unless each node of the mesh's fsdp
+  groups is one host's devices and its nodes are other hosts (`mesh.nodes`
+  > 1 in a multi-process run; a single process simulates its nodes)."""
+  if jax.process_count() == 1 or nodes == 1:
+    return
+  name = zlib.crc32(socket.gethostname().encode())
+  hosts = _all_gather(np.array([name], np.uint32))[:, 0]
+  problem = sharding_mesh.node_problem(
+      mesh.devices, lambda device: int(hosts[device.process_index]))
+  if problem:
+    per_host = collections.Counter(int(hosts[d.process_index])
+                                   for d in mesh.devices.flat)
+    raise config_lib.ConfigError(
+        f'mesh.nodes={nodes}: {problem}. Devices per host in this job: '
+        f'{sorted(set(per_host.values()))}; set mesh.fsdp / mesh.nodes to '
+        'the devices of one host (the mesh takes devices process by '
+        'process).')
+

@@ -352,6 +352,7 @@ def train(cfg: config_lib.Config, devices=None, *,
                      config_lib.ConfigError)
   agreement.shared_dir(cfg.out_dir, 'out_dir')
   program = build_program(cfg, devices)
+  agreement.nodes_are_hosts(program.mesh, cfg.mesh.nodes)
   program_lib.print_notes(program)
   feed = _DataFeed(cfg, program)
   ckpt = Checkpointer(os.path.join(cfg.out_dir, 'ckpt'))
