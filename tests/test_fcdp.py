@@ -12,6 +12,7 @@ like plain ZeRO-3.
 """
 
 import functools
+import zlib
 
 import jax
 import numpy as np
@@ -313,3 +314,10 @@ def test_a_multi_process_mesh_is_checked_against_the_hosts(monkeypatch):
   mesh.devices = _grid([0] * 4 + [1] * 4, (1, 1, 2, 4, 1))
   with pytest.raises(config_lib.ConfigError, match='are on one host'):
     agreement.nodes_are_hosts(mesh, 2)
+  # $SCAPE_HOST names the host in place of the host name.
+  names = []
+  monkeypatch.setattr(agreement, '_all_gather', lambda x: names.append(
+      int(x[0])) or np.array([[1], [2]], np.uint32))
+  monkeypatch.setenv('SCAPE_HOST', 'node-a')
+  agreement.nodes_are_hosts(mesh, 2)
+  assert names == [zlib.crc32(b'node-a')]

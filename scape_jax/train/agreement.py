@@ -22,6 +22,8 @@ from scape_jax.train import config as config_lib
 
 # Keys that may differ between processes: per-host paths.
 PER_HOST_KEYS = ('data.data_dir',)
+# Names a process's host for `nodes_are_hosts` in place of its host name.
+HOST_VAR = 'SCAPE_HOST'
 
 
 def _all_gather(x: np.ndarray) -> np.ndarray:
@@ -151,10 +153,14 @@ def shared_dir(path: str, what: str) -> None:
 def nodes_are_hosts(mesh: jax.sharding.Mesh, nodes: int) -> None:
   """Raises ConfigError on every process unless each node of the mesh's fsdp
   groups is one host's devices and its nodes are other hosts (`mesh.nodes`
-  > 1 in a multi-process run; a single process simulates its nodes)."""
+  > 1 in a multi-process run; a single process simulates its nodes).
+
+  A process's host is its host name, or `$SCAPE_HOST` where set (processes
+  on one machine that stand for several nodes, e.g. in network namespaces).
+  """
   if jax.process_count() == 1 or nodes == 1:
     return
-  name = zlib.crc32(socket.gethostname().encode())
+  name = zlib.crc32(os.environ.get(HOST_VAR, socket.gethostname()).encode())
   hosts = _all_gather(np.array([name], np.uint32))[:, 0]
   problem = sharding_mesh.node_problem(
       mesh.devices, lambda device: int(hosts[device.process_index]))
