@@ -330,6 +330,12 @@ def test_a_warmup_as_long_as_the_run_is_noted():
   assert not methods.schedule_notes(cfg.optimizer, 11)
 
 
+def test_keep_checkpoints_is_at_least_one():
+  with pytest.raises(config.ConfigError,
+                     match='keep_checkpoints must be >= 1, got 0'):
+    config.load(None, ['--config.keep_checkpoints=0'])
+
+
 @pytest.mark.parametrize('seed', [-1, 2**32])
 def test_a_seed_outside_32_bits_is_refused(seed):
   """-1 failed later blaming data.corpus; 2**32 repeated seed 0's model."""

@@ -388,7 +388,9 @@ def test_tokens_per_second_leave_out_evals_and_saves(corpus, tmp_path,
     return original_save(self, *args)
   monkeypatch.setattr(trainer_lib._Saver, '__call__', slow_save)
   trainer.train(_cfg(corpus, tmp_path, '--config.steps=4',
-                     '--config.eval_every=1', '--config.ckpt_every=1'))
+                     '--config.eval_every=1', '--config.ckpt_every=1',
+                     '--config.keep_checkpoints=2'))
+  assert checkpoint.Checkpointer(str(tmp_path / 'ckpt')).all_steps() == [3, 4]
   rates = [r['tokens_per_s'] for r in read_jsonl(
       str(tmp_path / 'metrics.jsonl')) if r['split'] == 'train']
   tokens = 8 * 16  # data.batch_size x data.seq_len

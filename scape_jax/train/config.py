@@ -135,6 +135,7 @@ class Config:
   eval_every: int = 100  # Steps between evaluations; 0: only at the end.
   eval_batches: int = 8  # Batches of the validation split per evaluation.
   ckpt_every: int = 0  # Steps between checkpoints; 0: only at the end.
+  keep_checkpoints: int = 3  # The newest this many are kept.
   # A step whose loss, gradient norm or update is not finite is skipped
   # (params and state unchanged); this many in a row stop the run.
   max_bad_steps: int = 10
@@ -435,6 +436,8 @@ def _problems(cfg: Config) -> list[str]:
       (cfg.eval_batches >= 1,
        f'eval_batches must be >= 1, got {cfg.eval_batches}'),
       (cfg.ckpt_every >= 0, f'ckpt_every must be >= 0, got {cfg.ckpt_every}'),
+      (cfg.keep_checkpoints >= 1, f'keep_checkpoints must be >= 1, got '
+       f'{cfg.keep_checkpoints}'),
       (cfg.max_bad_steps >= 1,
        f'max_bad_steps must be >= 1, got {cfg.max_bad_steps}'),
       (cfg.model.attn_impl in ATTN_IMPLS,

@@ -39,6 +39,7 @@ from scape_jax.train.checkpoint import CorruptCheckpointError
 
 # Keys that change neither the state nor the numbers of the run.
 RESUME_SAFE_KEYS = ('log_every', 'eval_every', 'eval_batches', 'ckpt_every',
+                    'keep_checkpoints',
                     'max_bad_steps', 'out_dir', 'data.data_dir', 'model.remat',
                     # Where SCAPE's state lives, and its layout (converted on
                     # restore; the numbers are the same up to rounding).

@@ -355,7 +355,8 @@ def train(cfg: config_lib.Config, devices=None, *,
   agreement.nodes_are_hosts(program.mesh, cfg.mesh.nodes)
   program_lib.print_notes(program)
   feed = _DataFeed(cfg, program)
-  ckpt = Checkpointer(os.path.join(cfg.out_dir, 'ckpt'))
+  ckpt = Checkpointer(os.path.join(cfg.out_dir, 'ckpt'),
+                      max_to_keep=cfg.keep_checkpoints)
   leader = jax.process_index() == 0
   resumed = resume.restore_or_init(cfg, program, ckpt, feed.iterator,
                                    allow_config_change,
