@@ -172,4 +172,3 @@ def nodes_are_hosts(mesh: jax.sharding.Mesh, nodes: int) -> None:
         f'{sorted(set(per_host.values()))}; set mesh.fsdp / mesh.nodes to '
         'the devices of one host (the mesh takes devices process by '
         'process).')
-
