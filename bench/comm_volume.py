@@ -515,7 +515,6 @@ def main(argv=None):
   measured = run_all(tasks, args.jobs)
   rows = finish([r for r in measured if r['method'] != 'diloco'])
   outer_rows = [r for r in measured if r['method'] == 'diloco']
-  os.makedirs(args.out, exist_ok=True)
   command = ' '.join(['python', 'bench/comm_volume.py'] +
                      (sys.argv[1:] if argv is None else argv))
   meta = {'command': command, 'jax': jax.__version__,

@@ -275,7 +275,6 @@ def main(argv=None):
           'xla_flags': os.environ['XLA_FLAGS'], 'mesh': '2 nodes x 4',
           'seq_len': 128, 'batch_size': 8, 'mb': MB,
           'wall_s': time.perf_counter() - t0}
-  os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, 'fcdp_volume.json'), 'w') as f:
     json.dump({'meta': meta, 'rows': rows}, f, indent=1)
   text = (f'<!-- {command} -->\n{markdown(rows)}\n\n'

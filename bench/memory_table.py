@@ -183,7 +183,6 @@ def main(argv=None):
           'xla_flags': os.environ.get('XLA_FLAGS', ''), 'mb': MB,
           'paper_fig12_mb': PAPER_FIG12_MB,
           'wall_s': time.perf_counter() - t0}
-  os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, 'memory_table.json'), 'w') as f:
     json.dump({'meta': meta, 'rows': rows}, f, indent=1)
   text = f'<!-- {command} -->\n{markdown(rows)}\n'

@@ -173,7 +173,8 @@ def compute_time(args, params: int) -> tuple:
   return compute_s, source, tag
 
 
-def main(argv=None):
+def _arguments(argv) -> tuple:
+  """(parsed arguments, the comm_volume rows of --model at --workers)."""
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--model', default='llama500m')
   p.add_argument('--workers', type=cli_types.positive_int, default=32)
@@ -203,17 +204,11 @@ def main(argv=None):
     p.error(f'--model {args.model!r}: {args.comm_json} has rows for '
             f'{", ".join(there)}; bench/comm_volume.py --models NAME adds a '
             "preset's rows (models.PRESETS)")
-  rows = find_rows(data['rows'], args.model, args.workers)
-  params = rows[0]['params']
-  compute_s, source, tag = compute_time(args, params)
-  tag = args.tag or f'{args.model}_N{args.workers}_{tag}'
-  print(f'{args.model}, N={args.workers}, {params:,} params; compute '
-        f'{1e3 * compute_s:.1f} ms per step ({source}).')
-  print('Bytes and message counts: the measured collectives of the compiled '
-        f'train step ({args.comm_json}). Ring alpha-beta model; no overlap of '
-        'communication with compute except the mask all-gather in the '
-        '"mask overlap" columns.\n')
-  print(messages_table(rows) + '\n')
+  return args, find_rows(data['rows'], args.model, args.workers)
+
+
+def project(args, rows, compute_s: float, source: str) -> tuple:
+  """(a record per network and method, the markdown table's lines)."""
   out, lines = [], [
       '| network (alpha) | method | all-reduce ms | all-gather ms | step ms, '
       'no overlap | speed-up vs AdamS | step ms, mask overlap | speed-up vs '
@@ -242,8 +237,23 @@ def main(argv=None):
           f'{rec["speedup_no_overlap"]:.2f}x | '
           f'{rec["step_ms_mask_overlap"]:.1f} | '
           f'{rec["speedup_mask_overlap"]:.2f}x |')
+  return out, lines
+
+
+def main(argv=None):
+  args, rows = _arguments(argv)
+  params = rows[0]['params']
+  compute_s, source, tag = compute_time(args, params)
+  tag = args.tag or f'{args.model}_N{args.workers}_{tag}'
+  print(f'{args.model}, N={args.workers}, {params:,} params; compute '
+        f'{1e3 * compute_s:.1f} ms per step ({source}).')
+  print('Bytes and message counts: the measured collectives of the compiled '
+        f'train step ({args.comm_json}). Ring alpha-beta model; no overlap of '
+        'communication with compute except the mask all-gather in the '
+        '"mask overlap" columns.\n')
+  print(messages_table(rows) + '\n')
+  out, lines = project(args, rows, compute_s, source)
   print('\n'.join(lines))
-  os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, f'projected_step_time_{tag}')
   with open(path + '.csv', 'w', newline='') as f:
     w = csv.DictWriter(f, fieldnames=list(out[0]))
