@@ -116,14 +116,14 @@ def config_changes(saved: Mapping[str, Any],
     before, after = old.get(key, _ABSENT), new.get(key, _ABSENT)
     if before is _ABSENT and key in defaults and after == defaults[key]:
       continue
-    if key in PATH_KEYS and _same_path(before, after):
+    if key in PATH_KEYS and same_path(before, after):
       continue
     if before != after:
       changes[key] = (before, after)
   return changes
 
 
-def _same_path(a, b) -> bool:
+def same_path(a, b) -> bool:
   """Whether `a` and `b` name one existing file or directory."""
   if not (isinstance(a, str) and isinstance(b, str) and os.path.exists(a)
           and os.path.exists(b)):

@@ -148,10 +148,6 @@ def _check_tokenizer(d: config_lib.DataConfig, meta: dict,
         'the tokenizer the corpus was prepared with')
 
 
-def _same_dir(a: str, b: str) -> bool:
-  return os.path.realpath(a) == os.path.realpath(b)
-
-
 def _prepare_data(cfg: config_lib.Config) -> str:
   """Prepares the corpus once (on process 0) and returns its directory.
 
@@ -170,7 +166,7 @@ def _prepare_data(cfg: config_lib.Config) -> str:
     if jax.process_index() != 0:
       return
     if prepared:
-      if d.data_dir and not _same_dir(d.data_dir, d.corpus):
+      if d.data_dir and not resume.same_path(d.data_dir, d.corpus):
         raise prepare_lib.CorpusError(
             f'data.data_dir={d.data_dir!r} is not used: data.corpus='
             f'{d.corpus!r} is a prepared corpus, read where it is; drop '
