@@ -78,9 +78,88 @@ def test_tied_llama_copies_the_embedding():
   cfg, params = _params('llama-tiny')
   state = hf.to_hf_state(cfg, params)
   del state['lm_head.weight']
-  back = hf.from_hf_state(cfg, state, params)
+  config = {**hf.to_hf_config(cfg), 'tie_word_embeddings': True}
+  back = hf.from_hf_state(cfg, state, params,
+                          tie_word_embeddings=hf.tied_embeddings(config))
   np.testing.assert_array_equal(back['lm_head']['kernel'],
                                 params['embed_tokens']['embedding'].T)
+
+
+@pytest.mark.parametrize('tie', [False, None])  # None: transformers' default
+def test_an_untied_llama_without_its_head_is_refused(tie):
+  cfg, params = _params('llama-tiny')
+  state = hf.to_hf_state(cfg, params)
+  del state['lm_head.weight']
+  config = hf.to_hf_config(cfg)
+  if tie is None:
+    del config['tie_word_embeddings']
+  assert hf.tied_embeddings(config) is False
+  with pytest.raises(hf.ConversionError, match='lm_head.weight: missing'):
+    hf.from_hf_state(cfg, state, params,
+                     tie_word_embeddings=hf.tied_embeddings(config))
+
+
+def test_an_untied_gpt2_is_refused():
+  cfg, params = _params('gpt-tiny')
+  config = {**hf.to_hf_config(cfg), 'tie_word_embeddings': False}
+  with pytest.raises(hf.ConversionError,
+                     match=r"tie_word_embeddings=False \(supported: True\)"):
+    hf.from_hf_config(config)
+  state = hf.to_hf_state(cfg, params)  # a head of its own, config or not
+  state['lm_head.weight'] = state['transformer.wte.weight'] + 1
+  with pytest.raises(hf.ConversionError,
+                     match='lm_head.weight differs from wte.weight'):
+    hf.from_hf_state(cfg, state, params)
+
+
+@pytest.mark.parametrize('preset, key, value, message', [
+    ('llama-tiny', 'hidden_size', None, 'has no hidden_size'),
+    ('llama-tiny', 'num_hidden_layers', '2', "num_hidden_layers='2'"),
+    ('llama-tiny', 'num_key_value_heads', 0, 'num_key_value_heads=0'),
+    ('gpt-tiny', 'n_embd', None, 'has no n_embd'),
+    ('gpt-tiny', 'n_head', 2.5, 'n_head=2.5'),
+])
+def test_a_missing_or_bad_size_is_named(preset, key, value, message):
+  config = hf.to_hf_config(models.get_config(preset))
+  if value is None:
+    del config[key]
+  else:
+    config[key] = value
+  with pytest.raises(hf.ConversionError) as e:
+    hf.from_hf_config(config)
+  assert message in str(e.value)
+  assert 'positive integer' in str(e.value)
+
+
+def test_an_old_gpt2_config_with_only_n_ctx():
+  cfg = models.get_config('gpt-tiny')
+  config = hf.to_hf_config(cfg)
+  del config['n_positions']
+  assert hf.from_hf_config(config) == cfg
+
+
+def test_unreadable_files_are_named(tmp_path):
+  pytest.importorskip('safetensors.numpy',
+                      reason="needs safetensors: pip install '.[hf]'")
+  cfg, params = _params('gpt-tiny')
+  hf.save_pretrained(str(tmp_path), cfg, params)
+  weights = tmp_path / convert.WEIGHTS_FILE
+  weights.write_bytes(weights.read_bytes()[:1000])  # a download cut short
+  with pytest.raises(hf.ConversionError) as e:
+    hf.read_safetensors(str(tmp_path))
+  assert f'{weights}: not a readable safetensors file' in str(e.value)
+  (tmp_path / convert.INDEX_FILE).write_text('{"metadata": {}}')
+  with pytest.raises(hf.ConversionError, match='no "weight_map" object'):
+    hf.read_safetensors(str(tmp_path))
+
+
+@pytest.mark.parametrize('text, message', [
+    ('{"model_type": "gpt2",', 'config.json: not valid JSON'),
+    ('[1, 2]', 'config.json: expected a JSON object, got list')])
+def test_an_unreadable_config_json_is_named(tmp_path, text, message):
+  (tmp_path / convert.CONFIG_FILE).write_text(text)
+  with pytest.raises(hf.ConversionError, match=message):
+    hf.read_config(str(tmp_path))
 
 
 def test_missing_extra_and_misshapen_tensors_are_named():
@@ -95,6 +174,10 @@ def test_missing_extra_and_misshapen_tensors_are_named():
   assert 'model.layers.0.mlp.up_proj.weight: missing' in text
   assert 'gate_proj.weight: shape (3, 3), expected (192, 64)' in text
   assert 'model.extra.weight: not a parameter' in text
+  for name in list(state)[:20]:
+    del state[name]
+  with pytest.raises(hf.ConversionError, match=r'\.\.\. and \d+ more$'):
+    hf.from_hf_state(cfg, state, params)
 
 
 @pytest.mark.parametrize('change, message', [

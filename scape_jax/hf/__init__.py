@@ -12,6 +12,7 @@ from scape_jax.hf.convert import from_hf_state
 from scape_jax.hf.convert import read_config
 from scape_jax.hf.convert import read_safetensors
 from scape_jax.hf.convert import save_pretrained
+from scape_jax.hf.convert import tied_embeddings
 from scape_jax.hf.convert import to_hf_config
 from scape_jax.hf.convert import to_hf_state
 from scape_jax.hf.tokenizer import byte_tokenizer
@@ -20,5 +21,5 @@ from scape_jax.hf.tokenizer import save_tokenizer
 __all__ = [
     'ConversionError', 'byte_tokenizer', 'from_hf_config', 'from_hf_state',
     'read_config', 'read_safetensors', 'save_pretrained', 'save_tokenizer',
-    'to_hf_config', 'to_hf_state',
+    'tied_embeddings', 'to_hf_config', 'to_hf_state',
 ]

@@ -10,8 +10,9 @@ renaming rule, not a table:
 * a Llama kernel is transposed (flax `Linear` stores [in, out], torch
   `nn.Linear` [out, in]); GPT-2's `Conv1D` stores [in, out] like flax, so its
   kernels are not;
-* GPT-2 ties the output layer to `wte`, so `lm_head.weight` is not written;
-  our Llama never ties it, and a tied Llama is read by copying the
+* GPT-2 ties the output layer to `wte`, so `lm_head.weight` is not written
+  (an untied GPT-2 is refused); our Llama never ties it, and a Llama whose
+  config.json ties it (`tie_word_embeddings`) is read by copying the
   embedding.
 
 The vocabulary is written as allocated (padded rows included), so logits
@@ -36,6 +37,10 @@ INDEX_FILE = 'model.safetensors.index.json'
 
 # Non-parameter buffers some GPT-2 checkpoints carry (causal masks).
 _GPT2_BUFFERS = ('.attn.bias', '.attn.masked_bias')
+
+
+# At most this many tensor problems are listed in one error.
+_SHOWN = 12
 
 
 class ConversionError(ValueError):
@@ -105,20 +110,35 @@ def to_hf_state(cfg: models.Config, params: Mapping) -> dict[str, np.ndarray]:
 
 
 def _canonical_names(cfg: models.Config, tensors: Mapping) -> dict:
-  """Adds the `transformer.` prefix some GPT-2 files omit; drops buffers."""
+  """Adds the `transformer.` prefix some GPT-2 files omit; drops buffers and
+  a GPT-2 `lm_head.weight` that is `wte`'s copy (refuses one that is not)."""
   if _is_llama(cfg):
     return dict(tensors)
   out = {}
   for name, x in tensors.items():
     if name.endswith(_GPT2_BUFFERS) or name == 'lm_head.weight':
-      continue  # lm_head is tied to wte
+      continue
     out[name if name.startswith('transformer.') else
         f'transformer.{name}'] = x
+  head, wte = tensors.get('lm_head.weight'), out.get('transformer.wte.weight')
+  if head is not None and wte is not None and not np.array_equal(head, wte):
+    raise ConversionError(
+        'lm_head.weight differs from wte.weight: this GPT-2 has its own '
+        'output layer (untied); supported: GPT-2 with lm_head tied to wte')
   return out
 
 
+def tied_embeddings(hf: Mapping) -> bool:
+  """Whether a `config.json` ties the output layer to the embedding: its
+  `tie_word_embeddings`, else transformers' default for its model type
+  (GPT-2 ties it, Llama does not)."""
+  tied = hf.get('tie_word_embeddings')
+  return hf.get('model_type') == 'gpt2' if tied is None else bool(tied)
+
+
 def from_hf_state(cfg: models.Config, tensors: Mapping,
-                  abstract_params: Mapping, dtype: Any = None) -> dict:
+                  abstract_params: Mapping, dtype: Any = None, *,
+                  tie_word_embeddings: bool | None = None) -> dict:
   """Our params (a pure dict of numpy arrays) from a `transformers` state.
 
   Args:
@@ -127,13 +147,19 @@ def from_hf_state(cfg: models.Config, tensors: Mapping,
     abstract_params: our params' pure dict of shapes (arrays or
       ShapeDtypeStructs); it fixes the names and shapes expected.
     dtype: cast every array to this dtype (default: keep).
+    tie_word_embeddings: the checkpoint's `tied_embeddings(config)`. A Llama
+      state without `lm_head.weight` takes the embedding only when True;
+      default: transformers' (GPT-2 tied, Llama not).
 
   Raises:
-    ConversionError: a tensor is missing, unexpected or of the wrong shape.
+    ConversionError: a tensor is missing, unexpected or of the wrong shape;
+      a GPT-2 whose `lm_head.weight` is not `wte`'s.
   """
   tensors = _canonical_names(cfg, tensors)
-  tied = 'model.embed_tokens.weight' in tensors
-  if _is_llama(cfg) and 'lm_head.weight' not in tensors and tied:
+  if tie_word_embeddings is None:
+    tie_word_embeddings = not _is_llama(cfg)
+  if (_is_llama(cfg) and 'lm_head.weight' not in tensors and
+      tie_word_embeddings and 'model.embed_tokens.weight' in tensors):
     tensors['lm_head.weight'] = tensors['model.embed_tokens.weight']
   problems, flat, used = [], {}, set()
   for path, want in _flatten(abstract_params).items():
@@ -154,8 +180,11 @@ def from_hf_state(cfg: models.Config, tensors: Mapping,
   problems += [f'{n}: not a parameter of this model'
                for n in sorted(set(tensors) - used)]
   if problems:
-    raise ConversionError('the checkpoint does not fit the model:\n  ' +
-                          '\n  '.join(problems[:12]))
+    more = len(problems) - _SHOWN
+    raise ConversionError(
+        'the checkpoint does not fit the model:\n  ' +
+        '\n  '.join(problems[:_SHOWN]) +
+        (f'\n  ... and {more} more' if more > 0 else ''))
   return _unflatten(flat)
 
 
@@ -215,34 +244,53 @@ def _rope_theta(hf: Mapping) -> float:
   return float(rope.get('rope_theta', hf.get('rope_theta', 10000.0)))
 
 
+def _size(hf: Mapping, *keys: str) -> int:
+  """The first of `keys` that `hf` holds (later ones: older spellings), which
+  must be a positive integer."""
+  for key in keys:
+    if hf.get(key) is not None:
+      value = hf[key]
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConversionError(f'{key}={value!r} in the {hf.get("model_type")}'
+                              ' config.json; expected a positive integer')
+      return value
+  raise ConversionError(
+      f'the {hf.get("model_type")} config.json has no {" or ".join(keys)}; '
+      'expected a positive integer there')
+
+
 def from_hf_config(hf: Mapping, **overrides: Any) -> models.Config:
   """Our model config from a `transformers` GPT-2 or Llama `config.json`."""
   kind = hf.get('model_type')
   if kind == 'llama':
     _require(hf, [('hidden_act', 'silu', 'silu'),
                   ('attention_bias', False, False), ('mlp_bias', False, False)])
-    d, h = hf['hidden_size'], hf['num_attention_heads']
+    d, h = _size(hf, 'hidden_size'), _size(hf, 'num_attention_heads')
     if hf.get('head_dim') not in (None, d // h):
       raise ConversionError(f'head_dim={hf["head_dim"]} != hidden_size / '
                             f'num_attention_heads = {d // h} is not supported')
+    kv = 'num_key_value_heads'
     fields = dict(
-        vocab_size=hf['vocab_size'], max_seq_len=hf['max_position_embeddings'],
-        d_model=d, n_layers=hf['num_hidden_layers'], n_heads=h,
-        n_kv_heads=hf.get('num_key_value_heads') or h,
-        d_ff=hf['intermediate_size'], norm_eps=hf.get('rms_norm_eps', 1e-6),
-        rope_theta=_rope_theta(hf),
+        vocab_size=_size(hf, 'vocab_size'),
+        max_seq_len=_size(hf, 'max_position_embeddings'),
+        d_model=d, n_layers=_size(hf, 'num_hidden_layers'), n_heads=h,
+        n_kv_heads=h if hf.get(kv) is None else _size(hf, kv),
+        d_ff=_size(hf, 'intermediate_size'),
+        norm_eps=hf.get('rms_norm_eps', 1e-6), rope_theta=_rope_theta(hf),
         init_std=hf.get('initializer_range', 0.02))
     return models.LlamaConfig(**{**fields, **overrides})
   if kind == 'gpt2':
     _require(hf, [('activation_function', 'gelu_new', 'gelu_new'),
                   ('scale_attn_weights', True, True),
                   ('scale_attn_by_inverse_layer_idx', False, False),
-                  ('reorder_and_upcast_attn', False, False)])
-    d = hf['n_embd']
+                  ('reorder_and_upcast_attn', False, False),
+                  ('tie_word_embeddings', True, True)])
+    d = _size(hf, 'n_embd')
     fields = dict(
-        vocab_size=hf['vocab_size'], max_seq_len=hf['n_positions'],
-        d_model=d, n_layers=hf['n_layer'], n_heads=hf['n_head'],
-        d_ff=hf.get('n_inner') or 4 * d,
+        vocab_size=_size(hf, 'vocab_size'),
+        max_seq_len=_size(hf, 'n_positions', 'n_ctx'),
+        d_model=d, n_layers=_size(hf, 'n_layer'), n_heads=_size(hf, 'n_head'),
+        d_ff=d * 4 if hf.get('n_inner') is None else _size(hf, 'n_inner'),
         norm_eps=hf.get('layer_norm_epsilon', 1e-5),
         init_std=hf.get('initializer_range', 0.02))
     return models.GPTConfig(**{**fields, **overrides})
@@ -270,7 +318,14 @@ def read_config(directory: str) -> dict[str, Any]:
                             'model directory (config.json + '
                             'model.safetensors)')
   with open(path, encoding='utf-8') as f:
-    return json.load(f)
+    try:
+      config = json.load(f)
+    except ValueError as e:
+      raise ConversionError(f'{path}: not valid JSON ({e})') from None
+  if not isinstance(config, dict):
+    raise ConversionError(f'{path}: expected a JSON object, got '
+                          f'{type(config).__name__}')
+  return config
 
 
 def read_safetensors(directory: str) -> dict[str, np.ndarray]:
@@ -279,7 +334,14 @@ def read_safetensors(directory: str) -> dict[str, np.ndarray]:
   index = os.path.join(directory, INDEX_FILE)
   if os.path.isfile(index):
     with open(index, encoding='utf-8') as f:
-      files = sorted(set(json.load(f)['weight_map'].values()))
+      try:
+        weight_map = json.load(f).get('weight_map')
+      except (ValueError, AttributeError) as e:
+        raise ConversionError(f'{index}: not a JSON object ({e})') from None
+    if not isinstance(weight_map, dict):
+      raise ConversionError(f'{index}: no "weight_map" object (tensor name '
+                            '-> file name)')
+    files = sorted(set(weight_map.values()))
   elif os.path.isfile(os.path.join(directory, WEIGHTS_FILE)):
     files = [WEIGHTS_FILE]
   else:
@@ -289,7 +351,15 @@ def read_safetensors(directory: str) -> dict[str, np.ndarray]:
         'AutoModelForCausalLM.from_pretrained(d).save_pretrained(d)')
   tensors = {}
   for name in files:
-    tensors.update(st.numpy.load_file(os.path.join(directory, name)))
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f'{path} not found (named by {INDEX_FILE})')
+    try:
+      tensors.update(st.numpy.load_file(path))
+    except Exception as e:  # pylint: disable=broad-except
+      # safetensors' own error type is no OSError/ValueError.
+      raise ConversionError(f'{path}: not a readable safetensors file, '
+                            f'perhaps cut short ({e})') from None
   return tensors
 
 

@@ -189,10 +189,13 @@ def _hf_loader(cfg: Config, model_cfg, group_params):
     return None
 
   def load():
+    directory = cfg.model.init_from
     try:
-      return hf.from_hf_state(model_cfg, hf.read_safetensors(
-          cfg.model.init_from), models.lora.without_adapters(group_params),
-                              jnp.dtype(cfg.model.param_dtype))
+      return hf.from_hf_state(
+          model_cfg, hf.read_safetensors(directory),
+          models.lora.without_adapters(group_params),
+          jnp.dtype(cfg.model.param_dtype),
+          tie_word_embeddings=hf.tied_embeddings(hf.read_config(directory)))
     except (ImportError, OSError, ValueError) as e:
       raise ConfigError(f'model.init_from={cfg.model.init_from!r}: {e}') from e
 
