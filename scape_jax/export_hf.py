@@ -97,7 +97,15 @@ def _tokenizer_files(spec: str, out: str,
   return files, eos_id
 
 
-def _check_out(out_dir: str, force: bool) -> None:
+def _check_out(run_dir: str, out_dir: str, force: bool) -> None:
+  run, out = os.path.realpath(run_dir), os.path.realpath(out_dir)
+  ckpt = os.path.join(run, 'ckpt')
+  if (os.path.commonpath([run, out]) == out or
+      os.path.commonpath([ckpt, out]) == ckpt):
+    raise ExportError(
+        f'--out {out_dir!r} holds the run {run_dir!r} or lies in its ckpt/: '
+        'writing it would replace the run\'s checkpoints; choose a new '
+        f'directory, e.g. {os.path.join(run_dir, "hf")!r}')
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise ExportError(f'--out {out_dir!r} is a file, not a directory')
   if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
@@ -137,7 +145,7 @@ def export(run_dir: str, out_dir: str, step: Optional[int] = None, *,
   Returns:
     A summary: step, model class, files written, compute dtype.
   """
-  _check_out(out_dir, force)
+  _check_out(run_dir, out_dir, force)
   ckpt = Checkpointer(os.path.join(run_dir, 'ckpt'))
   step, extras = ckpt.read_extras(step)
   if 'config' not in extras:
@@ -172,7 +180,7 @@ def export(run_dir: str, out_dir: str, step: Optional[int] = None, *,
   finally:
     if os.path.exists(new):
       shutil.rmtree(new)
-  return {'step': step, 'model': type(model_cfg).__name__,
+  return {'step': step, 'model': hf.to_hf_config(model_cfg)['architectures'][0],
           'files': [hf.convert.CONFIG_FILE, hf.convert.WEIGHTS_FILE] + files,
           'compute_dtype': cfg.model.dtype}
 

@@ -65,6 +65,19 @@ def test_a_non_empty_out_is_refused_unless_forced(tmp_path, capsys,
   assert sorted(os.listdir(tmp_path)) == ['model', 'run']  # no temp dirs
 
 
+def test_an_out_that_would_replace_the_run_is_refused(tmp_path, capsys,
+                                                      monkeypatch):
+  monkeypatch.setattr(hf, 'save_pretrained', _fake_save)
+  run = _run(tmp_path)
+  for out in (run, tmp_path, run / 'ckpt' / 'hf'):
+    assert _export(run, out, '--force') == 2
+    assert 'replace the run\'s checkpoints' in capsys.readouterr().err
+    assert sorted(os.listdir(run)) == ['ckpt']
+  assert _export(run, run / 'hf') == 0  # inside the run, beside ckpt/: fine
+  assert capsys.readouterr().out.startswith('wrote LlamaForCausalLM of step 1')
+  assert sorted(os.listdir(run)) == ['ckpt', 'hf']
+
+
 def test_a_failed_export_leaves_out_as_it_was(tmp_path, capsys, monkeypatch):
   def failing_save(directory, cfg, params, **kw):
     _fake_save(directory, cfg, params, **kw)
