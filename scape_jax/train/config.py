@@ -445,6 +445,10 @@ def _problems(cfg: Config) -> list[str]:
        f'{cfg.model.attn_impl!r}'),
       (cfg.model.dtype in DTYPES,
        f'model.dtype must be one of {DTYPES}, got {cfg.model.dtype!r}'),
+      # cuDNN's flash attention takes only 16- or 8-bit inputs.
+      (cfg.model.attn_impl != 'cudnn' or cfg.model.dtype == 'bfloat16',
+       f"model.attn_impl='cudnn' needs model.dtype='bfloat16', got "
+       f"{cfg.model.dtype!r}; use attn_impl='xla' or 'jax' for float32"),
       (cfg.model.param_dtype in DTYPES, f'model.param_dtype must be one of '
        f'{DTYPES}, got {cfg.model.param_dtype!r}'),
       (bool(d.corpus), 'data.corpus must not be empty'),
