@@ -169,13 +169,20 @@ def test_validate_errors(override, match):
     config.load(None, [override])
 
 
+def test_cudnn_attention_needs_bfloat16():
+  with pytest.raises(config.ConfigError, match=r"attn_impl='cudnn' needs "
+                     r"model.dtype='bfloat16', got 'float32'"):
+    config.load(None, ['--config.model.attn_impl=cudnn',
+                       '--config.model.dtype=float32'])
+  assert config.load(None, ['--config.model.attn_impl=cudnn']).model.dtype == (
+      'bfloat16')
+
+
 _OUTER = ['--config.mesh.replica=2', '--config.mesh.data=4']
 
 
 @pytest.mark.parametrize('overrides,match', [
     (['--config.optimizer.eps=1e-50'], r'eps=1e-50 must be .*>= 1.18e-38'),
-    (['--config.model.attn_impl=cudnn', '--config.model.dtype=float32'],
-     r"attn_impl='cudnn' needs model.dtype='bfloat16', got 'float32'"),
     (['--config.optimizer.name=radius', '--config.steps=150'],
      r'optimizer.radius.interval=200, dense_fraction=0.16: every one of the '
      r'150 steps is dense \(the first resample would be step 200\)'),
