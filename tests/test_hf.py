@@ -104,19 +104,19 @@ def _run_readme_block(tmp_path, run):
     os.chdir(cwd)
 
 
-def _hf_model(kind, tied=False):
+def _hf_model(kind, tied=False, act=None):
   torch.manual_seed(0)
   if kind == 'llama':
     config = transformers.LlamaConfig(
         vocab_size=300, hidden_size=64, intermediate_size=160,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=128, rms_norm_eps=1e-5,
-        tie_word_embeddings=tied)
+        tie_word_embeddings=tied, hidden_act=act or 'silu')
     model = transformers.LlamaForCausalLM(config)
   else:
     config = transformers.GPT2Config(
         vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=128,
-        n_inner=None, activation_function='gelu_new')
+        n_inner=None, activation_function=act or 'gelu_new')
     model = transformers.GPT2LMHeadModel(config)
   with torch.no_grad():
     for p in model.parameters():
@@ -124,10 +124,11 @@ def _hf_model(kind, tied=False):
   return model
 
 
-@pytest.mark.parametrize('kind, tied', [('llama', False), ('llama', True),
-                                        ('gpt2', True)])
-def test_import_parity(tmp_path, kind, tied):
-  model = _hf_model(kind, tied)
+@pytest.mark.parametrize('kind, tied, act', [
+    ('llama', False, None), ('llama', True, None), ('gpt2', True, None),
+    ('llama', False, 'swish'), ('gpt2', True, 'gelu_pytorch_tanh')])
+def test_import_parity(tmp_path, kind, tied, act):
+  model = _hf_model(kind, tied, act)
   model.save_pretrained(tmp_path / 'hf')
   cfg = _config(f'--config.model.init_from={tmp_path / "hf"}',
                 '--config.mesh.data=1')

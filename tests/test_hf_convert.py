@@ -184,7 +184,8 @@ def test_missing_extra_and_misshapen_tensors_are_named():
     ({'model_type': 'mistral'}, "model_type='mistral' is not supported"),
     ({'rope_parameters': {'rope_type': 'llama3', 'rope_theta': 5e5}},
      "unsupported RoPE type 'llama3'"),
-    ({'hidden_act': 'gelu'}, "hidden_act='gelu' (supported: 'silu')"),
+    ({'hidden_act': 'gelu'},
+     "hidden_act='gelu' (supported: 'silu' or 'swish')"),
     ({'attention_bias': True}, 'attention_bias=True'),
     ({'head_dim': 32}, 'head_dim=32'),
 ])
@@ -194,6 +195,17 @@ def test_unsupported_llama_configs_are_refused(change, message):
   with pytest.raises(hf.ConversionError, match=None) as e:
     hf.from_hf_config(config)
   assert message in str(e.value)
+
+
+@pytest.mark.parametrize('preset, key, alias', [
+    ('llama-tiny', 'hidden_act', 'swish'),  # both nn.SiLU in ACT2FN
+    ('gpt-tiny', 'activation_function', 'gelu_pytorch_tanh'),  # tanh GELU
+])
+def test_activation_aliases_are_accepted(preset, key, alias):
+  cfg = models.get_config(preset)
+  assert hf.from_hf_config({**hf.to_hf_config(cfg), key: alias}) == cfg
+  with pytest.raises(hf.ConversionError, match=f"{key}='relu'"):
+    hf.from_hf_config({**hf.to_hf_config(cfg), key: 'relu'})
 
 
 def test_gpt2_config_defaults():

@@ -227,9 +227,15 @@ def to_hf_config(cfg: models.Config, dtype: str = 'float32',
 
 
 def _require(hf: Mapping, checks: list[tuple[str, Any, Any]]) -> None:
-  bad = [f'{key}={hf.get(key, default)!r} (supported: {want!r})'
-         for key, want, default in checks
-         if hf.get(key, default) != want and hf.get(key, default) is not None]
+  """Each (key, supported, default): `supported` is a value or a tuple of
+  names for the same function (transformers' `ACT2FN` aliases)."""
+  bad = []
+  for key, want, default in checks:
+    value, names = hf.get(key, default), (
+        want if isinstance(want, tuple) else (want,))
+    if value is not None and value not in names:
+      bad.append(f'{key}={value!r} (supported: '
+                 f'{" or ".join(map(repr, names))})')
   if bad:
     raise ConversionError(f'unsupported {hf.get("model_type")} config: ' +
                           ', '.join(bad))
@@ -263,7 +269,7 @@ def from_hf_config(hf: Mapping, **overrides: Any) -> models.Config:
   """Our model config from a `transformers` GPT-2 or Llama `config.json`."""
   kind = hf.get('model_type')
   if kind == 'llama':
-    _require(hf, [('hidden_act', 'silu', 'silu'),
+    _require(hf, [('hidden_act', ('silu', 'swish'), 'silu'),
                   ('attention_bias', False, False), ('mlp_bias', False, False)])
     d, h = _size(hf, 'hidden_size'), _size(hf, 'num_attention_heads')
     if hf.get('head_dim') not in (None, d // h):
@@ -280,7 +286,8 @@ def from_hf_config(hf: Mapping, **overrides: Any) -> models.Config:
         init_std=hf.get('initializer_range', 0.02))
     return models.LlamaConfig(**{**fields, **overrides})
   if kind == 'gpt2':
-    _require(hf, [('activation_function', 'gelu_new', 'gelu_new'),
+    _require(hf, [('activation_function', ('gelu_new', 'gelu_pytorch_tanh'),
+                   'gelu_new'),
                   ('scale_attn_weights', True, True),
                   ('scale_attn_by_inverse_layer_idx', False, False),
                   ('reorder_and_upcast_attn', False, False),
