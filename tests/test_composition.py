@@ -59,6 +59,21 @@ def test_a_leaf_with_no_elements_stays_dense(name):
          compress={'w': True, 'z': True}).init(params)
 
 
+@pytest.mark.parametrize('name', ['scape', 'scape_dist'])
+def test_a_leaf_past_int32_offsets_is_refused_by_name(name):
+  """A compressed leaf of 2**31 elements would overflow the masks' int32
+  offsets (a bare OverflowError inside JAX's indexing, or wrapped-around
+  indices); it is refused with its shape. Abstract: nothing is allocated."""
+  make = {'scape': scape_jax.scape, 'scape_dist': scape_jax.scape_dist}[name]
+  tx = make(1e-2, density=0.01, axis_name=None)
+  big = {'w': jax.ShapeDtypeStruct((2**28, 8), jnp.float32)}
+  with pytest.raises(ValueError, match=r'shape \(268435456, 8\) .* past the '
+                     r'int32 indexing .*at most 2\*\*31 - 4096'):
+    jax.eval_shape(tx.init, big)
+  fits = {'w': jax.ShapeDtypeStruct((2**31 - 4096,), jnp.float32)}
+  jax.eval_shape(tx.init, fits)
+
+
 @pytest.mark.parametrize('make, name', [
     (lambda: optax.inject_hyperparams(scape_jax.scape)(
         learning_rate=1e-2, density=0.25, axis_name=None), 'density'),

@@ -21,8 +21,9 @@ def _scores(c, seed=0):
   return jnp.asarray(x)
 
 
+# num_valid > c (the last two) means the whole chunk is real.
 @pytest.mark.parametrize('c, num_valid', [(1, 1), (200, 150), (4096, 4096),
-                                          (9000, 8001)])
+                                          (9000, 8001), (33, 40), (1, 201)])
 def test_count_at_least_matches_reference(c, num_valid):
   x = _scores(c)
   keys = np.asarray(topk_mask.magnitude_key(x))
@@ -38,8 +39,9 @@ def test_count_at_least_matches_reference(c, num_valid):
   np.testing.assert_array_equal(np.asarray(got).sum(0), totals)
 
 
+# num_valid > c (the last two) means the whole chunk is real.
 @pytest.mark.parametrize('c, num_valid', [(1, 1), (200, 150), (4096, 4096),
-                                          (9000, 8001)])
+                                          (9000, 8001), (33, 40), (1, 201)])
 def test_threshold_mask_words_matches_reference(c, num_valid):
   x = _scores(c, 1)
   keys = np.asarray(topk_mask.magnitude_key(x))

@@ -29,6 +29,9 @@ OFFSET_BITS = ('auto', 32, 16)
 # Entries one 16-bit offset addresses: a chunk is cut into sub-blocks of this
 # many entries, and 'indices16' sends where each sub-block's offsets end.
 SUB_BLOCK = 1 << 16
+# Largest padded leaf: flat offsets, and a chunk's rows rounded up to whole
+# Pallas blocks of 4096 entries, stay int32.
+MAX_PADDED = 2**31 - 4096
 _INDEX_WIDTHS = {32: ('indices',), 16: ('indices16',),
                  'auto': ('indices', 'indices16')}
 

@@ -99,7 +99,8 @@ def count_at_least(x: jax.Array, num_valid, thresholds: jax.Array, *,
 
   Args:
     x: float[c], the chunk (its magnitudes are ranked).
-    num_valid: int scalar; offsets >= num_valid are padding (PAD_KEY).
+    num_valid: int scalar; offsets >= num_valid are padding (PAD_KEY); a
+      value past the chunk means all of it is real.
     thresholds: int32[P] keys.
     interpret: run the kernel in Pallas' interpreter (any backend).
 
@@ -108,6 +109,7 @@ def count_at_least(x: jax.Array, num_valid, thresholds: jax.Array, *,
     BLOCK_ROWS rows; rows past the chunk hold padding only.
   """
   rows = as_rows(x)
+  num_valid = jnp.minimum(num_valid, x.shape[0])  # nothing past the chunk
   given = thresholds.shape[0]
   # Triton blocks hold a power-of-two number of elements: repeat the last
   # threshold up to one, and drop its columns after.
@@ -134,6 +136,7 @@ def count_at_least_reference(x: jax.Array, num_valid,
                              thresholds: jax.Array) -> jax.Array:
   """Pure-jnp `count_at_least`."""
   rows = as_rows(x)
+  num_valid = jnp.minimum(num_valid, x.shape[0])
   index = jnp.arange(rows.size, dtype=jnp.int32).reshape(rows.shape)
   keys = jnp.where(index < num_valid, magnitude_key(rows), PAD_KEY)
   return jnp.sum(keys[:, :, None] >= thresholds.astype(jnp.int32), axis=1,
@@ -159,7 +162,8 @@ def threshold_mask_words(x: jax.Array, num_valid, lo, hi, cut, *,
 
   Args:
     x: float[c], the chunk.
-    num_valid: int scalar; offsets >= num_valid are padding (PAD_KEY).
+    num_valid: int scalar; offsets >= num_valid are padding (PAD_KEY); a
+      value past the chunk means all of it is real.
     lo, hi: int32 keys, PAD_KEY <= lo < hi.
     cut: int32 offset: keys in [lo, hi) are chosen at offsets < cut.
     interpret: run the kernel in Pallas' interpreter (any backend).
@@ -170,6 +174,7 @@ def threshold_mask_words(x: jax.Array, num_valid, lo, hi, cut, *,
   c = x.shape[0]
   rows = as_rows(x)
   cut = jnp.minimum(cut, c)  # no bit past the chunk (lo may be PAD_KEY)
+  num_valid = jnp.minimum(num_valid, c)  # nor from num_valid > c
   params, rows = same_varying(
       jnp.stack([jnp.asarray(v, jnp.int32)
                  for v in (num_valid, lo, hi, cut)]), rows)
