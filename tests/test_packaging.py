@@ -3,7 +3,8 @@
 The wheel is built from a copy of the sources (so the checkout gains no
 build/ or egg-info), installed with `pip install --target`, and used from
 another directory: `import scape_jax` and one SCAPE step on 2 CPU devices.
-The dependencies (jax, optax, numpy) come from this environment.
+The dependencies (jax, optax, numpy) come from this environment; the
+[train] extra's (flax, orbax, grain, tokenizers) are blocked for that step.
 """
 
 import os
@@ -19,6 +20,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOURCES = ('pyproject.toml', 'README.md', 'scape_jax', 'models')
 
 ONE_STEP = """
+import sys
+# `pip install .` brings jax, optax and numpy only: the [train] extra is absent.
+sys.modules.update(dict.fromkeys(['flax', 'orbax', 'grain', 'tokenizers'], None))
 import jax, jax.numpy as jnp, optax, scape_jax
 from jax.sharding import PartitionSpec as P
 assert 'site' in scape_jax.__file__, scape_jax.__file__

@@ -1,8 +1,12 @@
-"""The mesh, logical-axis rules, PartitionSpecs and parameter layouts."""
+"""The mesh, logical-axis rules, PartitionSpecs and parameter layouts.
 
-from scape_jax.sharding import fcdp
-from scape_jax.sharding.fcdp import FcdpOptions
-from scape_jax.sharding.layout import Layout
+`fcdp`, `FcdpOptions` and `Layout` wrap Flax modules and so need the
+`[train]` extra; they are imported on first use, so that `import scape_jax`
+needs only jax, optax and numpy.
+"""
+
+import importlib
+
 from scape_jax.sharding.mesh import BATCH_AXES
 from scape_jax.sharding.mesh import DATA
 from scape_jax.sharding.mesh import FSDP
@@ -29,3 +33,15 @@ __all__ = [
     'offload_memory_kinds', 'param_partition_specs', 'place',
     'state_partition_specs', 'state_shardings', 'with_replica_axis',
 ]
+
+_NEEDS_FLAX = {'fcdp': ('scape_jax.sharding.fcdp', None),
+               'FcdpOptions': ('scape_jax.sharding.fcdp', 'FcdpOptions'),
+               'Layout': ('scape_jax.sharding.layout', 'Layout')}
+
+
+def __getattr__(name):  # PEP 562: the Flax-backed names, imported on use.
+  if name not in _NEEDS_FLAX:
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+  module, attr = _NEEDS_FLAX[name]
+  module = importlib.import_module(module)
+  return module if attr is None else getattr(module, attr)
