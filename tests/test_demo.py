@@ -96,6 +96,10 @@ def test_matches_numpy_simulation(n):
         np.testing.assert_allclose(np.asarray(st.momentum[k])[w],
                                    ref.m[w][j], rtol=1e-4, atol=2e-5,
                                    err_msg=msg)
+    np.testing.assert_allclose(  # the logged ||m|| over all leaves
+        np.asarray(st.momentum_norm).reshape(-1),
+        [np.sqrt(sum(np.sum(np.square(m, dtype=np.float64)) for m in ref.m[w]))
+         for w in range(n)], rtol=1e-4)
   assert int(st.count) == steps
   if n > 1:  # the scatter saw both shared and single coefficients
     assert ref.duplicates > 0 and ref.singles > 0

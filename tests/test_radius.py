@@ -68,6 +68,11 @@ def test_matches_numpy_simulation_across_a_cycle(index_radius, select):
       for w in range(n):
         np.testing.assert_allclose(np.asarray(st.residual[k])[w],
                                    ref.e[w][j], **tol)
+    np.testing.assert_allclose(  # the logged ||e^n|| over the sparse leaves
+        np.asarray(st.residual_norm).reshape(-1),
+        [np.sqrt(sum(np.sum(np.square(ref.e[w][j], dtype=np.float64))
+                     for j in range(len(names)) if ref.sparse[j]))
+         for w in range(n)], rtol=1e-4, atol=1e-7)
   assert ref.kinds[:4] == ['dense', 'dense', 'resample', 'sparse']
   assert ref.kinds.count('resample') == 3 and ref.kinds[-1] == 'sparse'
   assert float(jnp.min(st.residual_norm)) > 0  # the last step was sparse

@@ -144,6 +144,12 @@ def test_matches_numpy_simulation_of_algorithm_1(density, variant):
         np.testing.assert_allclose(np.asarray(st.residual[k])[w], ref.e[w][j],
                                    rtol=2e-5, atol=2e-6, err_msg=k)
         np.testing.assert_array_equal(bits[w], ref.chunk_mask(j, w))
+    # The logged norm: ||e^n|| over the compressed leaves, per worker.
+    np.testing.assert_allclose(
+        np.asarray(st.residual_norm).reshape(-1),
+        [np.sqrt(sum(np.sum(np.square(ref.e[w][j], dtype=np.float64))
+                     for j in range(len(names)) if compressed[j]))
+         for w in range(n)], rtol=1e-4)
   # The test must exercise sparsity and clipping, not only the dense path.
   assert float(st.density) == pytest.approx(density)
   assert float(jnp.mean(st.residual_norm)) > 0
