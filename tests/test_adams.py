@@ -85,3 +85,24 @@ def test_adams_state_keeps_its_dtypes(mu_dtype, param_dtype):
       grads, scape_jax.adams(1e-2).init(params), params)
   np.testing.assert_allclose(np.float32(ref[0].mu['w']),
                              np.float32(f32[0].mu['w']), rtol=1e-2)
+  # From a low-precision state the step is computed in fp32 (m_{t-1} widened
+  # before it is squared; the new moment rounded only when stored): it equals
+  # fp32 AdamS from the same state widened. The params stay as they are
+  # (optax decays the weights in their dtype).
+  keys = jax.random.split(jax.random.key(0), 3)
+
+  def grad(i):
+    return {'w': jax.random.normal(keys[i], (4, 4), jnp.float32)}
+
+  def widen(tree):
+    return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(
+        x.dtype, jnp.floating) else x, tree)
+
+  state = tx.init(params)
+  for i in range(2):
+    _, state = tx.update(grad(i), state, params)
+  u, _ = tx.update(grad(2), state, params)
+  u32, _ = scape_jax.adams(1e-2).update(grad(2), widen(state), params)
+  np.testing.assert_allclose(np.float32(u['w']),
+                             np.float32(u32['w'].astype(u['w'].dtype)),
+                             rtol=1e-6)

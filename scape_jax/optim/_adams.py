@@ -56,14 +56,18 @@ def scale_by_adams(
 
   def update_fn(updates, state, params=None):
     del params
-    mu_prev = state.mu
+    # m_{t-1} widened to the gradients' precision first (a bf16 m would
+    # otherwise be squared in bf16).
+    mu_prev = jax.tree.map(
+        lambda m, g: m.astype(jnp.promote_types(m.dtype, g.dtype)), state.mu,
+        updates)
     mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, mu_prev, updates)
     nu = jax.tree.map(lambda m, g: b2 * m * m + (1.0 - b2) * g * g,
                       mu_prev, updates)
     count = optax.safe_increment(state.count)
     direction = _common.bias_corrected_direction(mu, nu, count, b1=b1, b2=b2, eps=eps)
     direction = jax.tree.map(lambda d, g: d.astype(g.dtype), direction, updates)
-    mu = jax.tree.map(lambda m, old: m.astype(old.dtype), mu, mu_prev)
+    mu = jax.tree.map(lambda m, old: m.astype(old.dtype), mu, state.mu)
     return direction, ScaleByAdamSState(count=count, mu=mu)
 
   return optax.GradientTransformation(init_fn, update_fn)
