@@ -191,7 +191,9 @@ def test_a_mesh_that_does_not_match_the_chunking_is_refused():
 # ||replica - fp32 run|| / ||fp32 run's change|| after 20 steps, per leaf:
 # dense leaves (no selection), compressed leaves (their top-k selections see
 # bf16 gradients and may pick other entries).
-BF16_TOL = {'dense': 0.05, 'compressed': 0.2}
+# (Measured: dense 0.006 and under; a replica rounded to bf16 each step gives
+# 0.018.)
+BF16_TOL = {'dense': 0.01, 'compressed': 0.2}
 
 
 def test_bf16_compute_with_fp32_replica_tracks_the_fp32_run():
@@ -204,6 +206,9 @@ def test_bf16_compute_with_fp32_replica_tracks_the_fp32_run():
                                     s16.replica[k].astype(p16[k].dtype))
   replica, final = bf16[-1][1].replica, fp32[-1][0]
   assert bf16[-1][1].replica['w1'].dtype == np.float32
+  for k in start:  # it keeps the small steps that bf16 would round away
+    r = np.asarray(replica[k])
+    assert np.any(r != r.astype(jax.numpy.bfloat16).astype(np.float32)), k
   for k, p in start.items():
     err = float(np.linalg.norm(replica[k] - final[k]) /
                 np.linalg.norm(final[k] - p))
