@@ -68,9 +68,18 @@ class LeafLayout:
   chunk_size: int  # c: elements per chunk, padding included
 
   @classmethod
-  def create(cls, size: int, num_chunks: int) -> 'LeafLayout':
-    return cls(size=size, num_chunks=num_chunks,
-               chunk_size=-(-size // num_chunks))
+  def create(cls, size: int, num_chunks: int,
+             shape: tuple = ()) -> 'LeafLayout':
+    """The layout of `size` elements (a leaf of `shape`, for errors)."""
+    layout = cls(size=size, num_chunks=num_chunks,
+                 chunk_size=-(-size // num_chunks))
+    if layout.padded > MAX_PADDED:
+      raise ValueError(
+          f'scape: a leaf of shape {shape} ({size} elements, {layout.padded} '
+          f'padded over {num_chunks} workers) is past the int32 indexing of '
+          'the chunk masks (at most 2**31 - 4096 padded elements); mark it '
+          'False in compress or split it.')
+    return layout
 
   @property
   def padded(self) -> int:

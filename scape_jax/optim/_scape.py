@@ -93,15 +93,8 @@ class CompressionPlan:
       if bool(flag) and p.size == 0:
         raise ValueError(f'scape: a leaf of shape {p.shape} has no elements '
                          'to compress; mark it False in compress.')
-      layout = (masks.LeafLayout.create(p.size, num_workers)
-                if bool(flag) else None)
-      if layout is not None and layout.padded > masks.MAX_PADDED:
-        raise ValueError(
-            f'scape: a leaf of shape {p.shape} ({p.size} elements, '
-            f'{layout.padded} padded over {num_workers} workers) is past '
-            'the int32 indexing of the chunk masks (at most 2**31 - 4096 '
-            'padded elements); mark it False in compress or split it.')
-      layouts.append(layout)
+      layouts.append(masks.LeafLayout.create(p.size, num_workers, p.shape)
+                     if bool(flag) else None)
     return cls(treedef, tuple(p.shape for p in leaves), tuple(layouts),
                num_workers)
 
