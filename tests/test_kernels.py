@@ -84,6 +84,35 @@ def test_pack_and_unpack_match_references_and_numpy(n, c):
   np.testing.assert_array_equal(np.asarray(back), bits)
   np.testing.assert_array_equal(
       np.asarray(unpack_bits.unpack_bits_reference(words, c)), bits)
+  # Words past the c bits (all ones here) are ignored.
+  extra = jnp.concatenate([words, jnp.full((n, 3), 0xFFFFFFFF, jnp.uint32)], 1)
+  np.testing.assert_array_equal(
+      np.asarray(unpack_bits.unpack_bits(extra, c, interpret=True)), bits)
+  np.testing.assert_array_equal(
+      np.asarray(unpack_bits.unpack_bits_reference(extra, c)), bits)
+
+
+@pytest.mark.parametrize('c', [1, 33, 4097])
+def test_all_equal_chunk(c):
+  """Every key ties: counts are all or nothing, and the cut alone decides
+  which entries a [lo, hi) band takes."""
+  x = jnp.full((c,), -1.5, jnp.float32)
+  key = int(topk_mask.magnitude_key(x)[0])
+  thresholds = jnp.asarray([key, key + 1], jnp.int32)
+  got = topk_mask.count_at_least(x, c, thresholds, interpret=True)
+  np.testing.assert_array_equal(np.asarray(got).sum(0), [c, 0])
+  np.testing.assert_array_equal(
+      np.asarray(got),
+      np.asarray(topk_mask.count_at_least_reference(x, c, thresholds)))
+  cut = (c + 1) // 2
+  words = topk_mask.threshold_mask_words(x, c, key, key + 1, cut,
+                                         interpret=True)
+  bits = np.pad(np.arange(c) < cut, (0, -c % 32))
+  np.testing.assert_array_equal(
+      np.asarray(words), np.packbits(bits, bitorder='little').view('<u4'))
+  np.testing.assert_array_equal(
+      np.asarray(words), np.asarray(
+          topk_mask.threshold_mask_words_reference(x, c, key, key + 1, cut)))
 
 
 def test_unpack_rejects_too_few_words():
