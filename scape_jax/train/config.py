@@ -521,11 +521,14 @@ def flatten(tree: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
   return out
 
 
-def from_dict(d: Mapping[str, Any]) -> Config:
-  """Inverse of `to_dict`; unknown keys raise, missing keys keep defaults."""
+def from_dict(d: Mapping[str, Any], check: bool = True) -> Config:
+  """Inverse of `to_dict`; unknown keys raise, missing keys keep defaults.
+  With `check`, the config is validated too (a checkpoint's saved config
+  need not pass checks added since it was saved)."""
   cfg = Config()
   _apply(cfg, '', d)
-  validate(cfg)
+  if check:
+    validate(cfg)
   return cfg
 
 

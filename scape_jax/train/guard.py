@@ -20,10 +20,18 @@ XLA aborts after its collective timeout ("Expected 8 threads to join the
 rendezvous, but only 7 of them arrived on time"), or hangs forever with the
 timeout raised. A bound of two steps still lets the host prepare step t+1
 while step t runs, and stays far from that limit on every backend.
+
+The steps in flight also decide which update a new step applies. A skipped
+step leaves the optimizer's state as it was, its count included, so its
+schedules (learning rate, SCAPE's density, Radius's step kinds, DiLoCo's
+phases) follow the updates applied, not the steps run. The program a step
+runs is chosen by the same count (`updates_before`), which is exact only
+once the steps still in flight are known: where one of them being skipped
+would change the program, the new step waits for them.
 """
 
 import collections
-from typing import Callable, Optional
+from typing import Callable, Hashable, Optional
 
 import jax
 
@@ -44,19 +52,45 @@ class InFlightSteps:
     depth: steps that may be in flight.
     on_skip: called as `on_skip(step, metrics, in_a_row)` for each skipped
       step, in step order, with the step's metrics on the host.
+    skipped_before: steps skipped before this run started (a resumed run's
+      checkpoint records them).
   """
 
   def __init__(self, max_bad_steps: int, depth: int = MAX_STEPS_IN_FLIGHT,
-               on_skip: Optional[Callable[[int, dict, int], None]] = None):
+               on_skip: Optional[Callable[[int, dict, int], None]] = None,
+               skipped_before: int = 0):
     if depth < 1:
       raise ValueError(f'depth must be >= 1, got {depth}')
     self._max_bad = max_bad_steps
     self._depth = depth
     self._on_skip = on_skip
     self._queue = collections.deque()
+    self._skipped_before = skipped_before
     self.in_a_row = 0  # consecutive skipped steps up to the last finished
     self.skipped = 0  # skipped steps of this run in all
     self.finished = None  # the last finished step
+
+  @property
+  def skipped_in_all(self) -> int:
+    """Finished steps skipped since the run's first step, resumes included."""
+    return self._skipped_before + self.skipped
+
+  def updates_before(self, step: int, key: Callable[[int], Hashable]) -> int:
+    """The updates applied before 0-based step `step`: the optimizer's count
+    when the step runs, i.e. `step` less the steps skipped before it.
+
+    `key(count)` names the program of the update after `count` updates.
+    While steps are in flight their skips are unknown; if any of them
+    being skipped would change the key, this waits for them first (so
+    only near a schedule's boundaries), else it returns the count on the
+    assumption that none is.
+    """
+    count = step - self.skipped_in_all
+    if any(key(c) != key(count) for c in range(count - len(self._queue),
+                                               count)):
+      self.drain()
+      count = step - self.skipped_in_all
+    return count
 
   def push(self, step: int, metrics: dict) -> None:
     """Records dispatched `step`; waits for older steps beyond the depth."""

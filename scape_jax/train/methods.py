@@ -61,6 +61,10 @@ class Built(NamedTuple):
   # opt_state -> the statistics to log; None: the spec's `stats`. An outer
   # method sets it to its inner method's.
   stats: Optional[Callable[[Any], dict]] = None
+  # count -> what the state after `count` updates holds that the schedule
+  # chose (SCAPE: the density of its next masks); a run resumed under a
+  # changed config must find the same (`resume`). None: nothing.
+  state_key: Optional[Callable[[int], dict]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +121,7 @@ class Method:
   static_args: Optional[Callable[[int], dict]] = None
   memory_kinds: Optional[Callable[[Any], Any]] = None  # see `Built`
   stats_fn: Optional[Callable[[Any], dict]] = None  # `Built.stats`
+  state_key_fn: Optional[Callable[[int], dict]] = None  # `Built.state_key`
 
   @property
   def name(self) -> str:
@@ -128,6 +133,10 @@ class Method:
 
   def stats(self, opt_state) -> dict:
     return (self.stats_fn or self.spec.stats)(opt_state)
+
+  def state_key(self, count: int) -> dict:
+    """`Built.state_key` after `count` updates ({} if the method has none)."""
+    return {} if self.state_key_fn is None else self.state_key_fn(count)
 
 
 def selected(cfg) -> list:
@@ -206,7 +215,7 @@ def build(cfg, total_steps: int, ctx: Context = Context()) -> Method:
   built = spec.build(cfg, section, lr,
                      dataclasses.replace(ctx, total_steps=total_steps))
   return Method(spec, built.tx, lr, built.static_args, built.memory_kinds,
-                built.stats)
+                built.stats, built.state_key)
 
 
 # ----------------------------------------------------------------------------
@@ -290,8 +299,9 @@ def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
   kinds = (functools.partial(sharding_memory.offload_memory_kinds,
                              kind=section.offload_kind)
            if section.offload else None)
-  return Built(tx, lambda step: {'density_level': schedule.level(step)},
-               kinds)
+  return Built(tx, lambda count: {'density_level': schedule.level(count)},
+               kinds, state_key=lambda count: {  # the masks' density
+                   'density': schedule.levels[schedule.level(count)]})
 
 
 def _wire_options(section: ScapeConfig) -> dict:
@@ -372,7 +382,9 @@ def _build_radius(cfg, section: RadiusConfig, lr, ctx) -> Built:
       b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
       clip_norm=cfg.clip_norm if cfg.clip_norm > 0 else None,
       axis_name=ctx.axis_name)
-  return Built(tx, lambda step: {'step_kind': schedule.kind(step)})
+  return Built(tx, lambda count: {'step_kind': schedule.kind(count)},
+               state_key=lambda count: {  # masks chosen, residual in use
+                   'resampled': count >= schedule.first_resample})
 
 
 def _radius_no_effect(cfg, section: RadiusConfig, total_steps: int) -> list:
@@ -473,13 +485,17 @@ def _inner_method(cfg, section, lr, ctx, lazy: bool) -> tuple:
 
 
 def _outer_built(tx, schedule, inner: Built, offload: bool) -> Built:
-  def static_args(step: int) -> dict:
-    extra = inner.static_args(step) if inner.static_args else {}
-    return dict(extra, phase=schedule.phase(step))
+  def static_args(count: int) -> dict:
+    extra = inner.static_args(count) if inner.static_args else {}
+    return dict(extra, phase=schedule.phase(count))
+
+  def state_key(count: int) -> dict:  # each group's own since the switch
+    extra = inner.state_key(count) if inner.state_key else {}
+    return dict(extra, lazy=count < schedule.lazy_steps)
 
   return Built(tx, static_args, _outer_memory_kinds(offload,
                                                      inner.memory_kinds),
-               inner.stats)
+               inner.stats, state_key)
 
 
 def _outer_memory_kinds(offload: bool, inner_kinds):

@@ -79,6 +79,9 @@ class Resumed:
   params: Any
   opt_state: Any
   config_history: list
+  # Steps before `start` whose update was skipped (not finite): the
+  # optimizer's count at `start` is start - skipped.
+  skipped: int = 0
 
 
 def _unused_section(key: str, in_use: set) -> bool:
@@ -216,6 +219,28 @@ def _restore(program, ckpt: Checkpointer, step: int, target,
         f'resume on the same mesh.\n{e}') from e
 
 
+def check_state_fits(saved: Mapping[str, Any], cfg: config_lib.Config,
+                     method, count: int, where: str) -> None:
+  """Raises ConfigError if the state saved under config `saved` after
+  `count` updates holds what another schedule chose than the one `method`
+  (built from `cfg`) runs from there (`methods.Built.state_key`): e.g.
+  SCAPE's masks chosen for one density and decoded at another, or Radius's
+  sparse steps before any resample chose their masks."""
+  old_cfg = config_lib.from_dict(saved, check=False)
+  before = methods.build(old_cfg.optimizer, old_cfg.steps).state_key(count)
+  after = method.state_key(count)
+  if before != after:
+    changed = {k: v for k, v in config_changes(saved, config_lib.to_dict(
+        cfg)).items() if k not in RESUME_SAFE_KEYS}
+    raise config_lib.ConfigError(
+        f'cannot resume {where} with these changes:{_lines(changed)}\n'
+        f'after its {count} updates the {method.name} state holds '
+        f'{before}, but the new config would go on from there as from '
+        f'{after}, and the state does not fit that. Keep the saved values '
+        'of these keys up to that point, or use another out_dir to start '
+        'a new run.')
+
+
 def restore_or_init(cfg: config_lib.Config, program, ckpt: Checkpointer,
                     iterator, allow_config_change: bool = False,
                     say: Optional[Callable[[str], None]] = print) -> Resumed:
@@ -246,6 +271,10 @@ def restore_or_init(cfg: config_lib.Config, program, ckpt: Checkpointer,
             f'{where} is past steps={cfg.steps}: the run has trained {step} '
             f'steps. Set steps >= {step} to go on from it, or use another '
             'out_dir for a shorter run.')
+      skipped_steps = int(extras.get('skipped_steps', 0))
+      if changes:
+        check_state_fits(extras.get('config', {}), cfg, program.method,
+                         step - skipped_steps, where)
       state, extras = _restore(program, ckpt, step, target,
                                extras.get('mesh'))
     except CorruptCheckpointError as e:
@@ -267,7 +296,8 @@ def restore_or_init(cfg: config_lib.Config, program, ckpt: Checkpointer,
       say(f'resuming step {step} with config changes:{_lines(changes)}')
       history.append({'step': step, 'changes': {
           k: list(v) for k, v in changes.items()}})
-    return Resumed(step, state['params'], state['opt'], history)
+    return Resumed(step, state['params'], state['opt'], history,
+                   skipped_steps)
   raise CorruptCheckpointError(
       f'no checkpoint in {ckpt.directory} verifies:' +
       ''.join(f'\n  step {s}: {reason}' for s, reason in skipped) +

@@ -34,41 +34,43 @@ from scape_jax.train.program import Program, build_program
 class StepPrograms:
   """Compiles each distinct train-step program once (e.g. one per SCAPE level).
 
-  A program is keyed by the method's static update arguments at a step.
+  A program is keyed by the method's static update arguments for the update
+  after `count` updates: the optimizer's count, which a skipped step does
+  not advance (`guard.InFlightSteps.updates_before`).
   """
 
   def __init__(self, program: Program):
     self._program = program
     self._compiled = {}
 
-  def key(self, step: int) -> tuple:
-    """The program of the update after `step`: its sorted static args."""
-    return tuple(sorted(self._program.method.update_kwargs(step).items()))
+  def key(self, count: int) -> tuple:
+    """The program of the update after `count`: its sorted static args."""
+    return tuple(sorted(self._program.method.update_kwargs(count).items()))
 
-  def __call__(self, step: int):
-    """(executable, bytes sent per device) for the update after `step`."""
-    key = self.key(step)
+  def __call__(self, count: int):
+    """(executable, bytes sent per device) for the update after `count`."""
+    key = self.key(count)
     if key not in self._compiled:
-      exe = self._program.compile_step(step)
+      exe = self._program.compile_step(count)
       self._compiled[key] = exe, analysis.collectives_from_hlo(exe.as_text())
     exe, cols = self._compiled[key]
     return exe, analysis.bytes_sent(cols)
 
-  def first_steps(self, start: int, end: int) -> dict:
-    """{program key: the first of the steps start..end-1 that runs it}."""
+  def first_counts(self, start: int, end: int) -> dict:
+    """{program key: the first of the counts start..end-1 that runs it}."""
     firsts = {}
-    for step in range(start, end):
-      firsts.setdefault(self.key(step), step)
+    for count in range(start, end):
+      firsts.setdefault(self.key(count), count)
     return firsts
 
   def compile_all(self, start: int, end: int) -> None:
     """Compiles every program that the updates after start..end-1 use."""
-    for step in self.first_steps(start, end).values():
-      self(step)
+    for count in self.first_counts(start, end).values():
+      self(count)
 
-  def collectives(self, step: int):
-    self(step)
-    return self._compiled[self.key(step)][1]
+  def collectives(self, count: int):
+    self(count)
+    return self._compiled[self.key(count)][1]
 
 
 class _DataFeed:
@@ -206,8 +208,10 @@ class _Reporter:
   """Holds each step's device metrics until the next log line, then writes
   them (JSONL, TensorBoard, stdout, progress bar)."""
 
-  def __init__(self, cfg: config_lib.Config, program: Program, start: int):
+  def __init__(self, cfg: config_lib.Config, program: Program, start: int,
+               updates: int):
     self._cfg, self._program = cfg, program
+    self._updates = updates  # applied before the next step to be logged
     self.leader = jax.process_index() == 0
     self.logger = MetricsLogger(cfg.out_dir, enabled=self.leader,
                                 start=start)
@@ -236,8 +240,9 @@ class _Reporter:
     elapsed = time.perf_counter() - self._t0
     wall_time = time.time()  # when the last pending step had finished
     tps = self._tokens_per_step * len(fetched) / max(elapsed, 1e-9)
-    for s, x in fetched:
-      x['lr'] = float(self._program.method.learning_rate(s - 1))
+    for s, x in fetched:  # the learning rate of the update the step made
+      x['lr'] = float(self._program.method.learning_rate(self._updates))
+      self._updates += x['skipped'] == 0
       self.logger.log(s, dict(x, tokens_per_s=tps, wall_time=wall_time))
       self.history.append(x['loss'])
     s, x = fetched[-1]
@@ -286,9 +291,10 @@ class _Saver:
   def directory(self) -> str:
     return self._ckpt.directory
 
-  def __call__(self, step: int, params, opt_state) -> None:
+  def __call__(self, step: int, params, opt_state, skipped: int) -> None:
     self._ckpt.save(step, {'params': params, 'opt': opt_state},
                     {'data': self._feed.iterator.get_state(),
+                     'skipped_steps': skipped,
                      'config': config_lib.to_dict(self._cfg),
                      'config_history': self._history,
                      'tokenizer': self._feed.tokenizer,
@@ -358,13 +364,14 @@ def train(cfg: config_lib.Config, devices=None, *,
                                    allow_config_change,
                                    say=print if leader else None)
   start = resumed.start
-  reporter = _Reporter(cfg, program, start)
+  updates = start - resumed.skipped  # the optimizer's count at `start`
+  reporter = _Reporter(cfg, program, start, updates)
   if start and leader:
     print(f'resumed from {cfg.out_dir}/ckpt step {start}')
   programs = StepPrograms(program)
-  programs.compile_all(start, cfg.steps)  # compile every program before timing
+  programs.compile_all(updates, cfg.steps)  # every program, before timing
   if leader:
-    _print_collectives(programs, start, cfg.steps)
+    _print_collectives(programs, updates, cfg.steps)
   # A signal after the last step (final eval, the wait for the last save)
   # is held too: the run finishes and saves; a second one kills at once.
   with preemption.StopSignals() as signals:
@@ -384,12 +391,12 @@ def _print_collectives(programs: StepPrograms, start: int, end: int) -> None:
   programs (e.g. DiLoCo's inner and sync steps) each table's header names
   its static arguments: `collectives of the train step (phase=sync), ...`."""
   last = programs.key(end - 1)
-  firsts = {last: end - 1, **programs.first_steps(start, end)}
-  for key, step in firsts.items():
+  firsts = {last: end - 1, **programs.first_counts(start, end)}
+  for key, count in firsts.items():
     label = (f' ({", ".join(f"{k}={v}" for k, v in key)})'
              if len(firsts) > 1 else '')
     print(f'collectives of the train step{label}, per device per step:')
-    print(analysis.format_table(programs.collectives(step)))
+    print(analysis.format_table(programs.collectives(count)))
 
 
 def _loop(cfg, program: Program, programs: StepPrograms, feed: _DataFeed,
@@ -403,17 +410,20 @@ def _loop(cfg, program: Program, programs: StepPrograms, feed: _DataFeed,
     return float(np.mean([float(evaluate(params, b))
                           for b in feed.eval_batches]))
 
-  in_flight = guard.InFlightSteps(cfg.max_bad_steps, on_skip=reporter.skipped)
+  in_flight = guard.InFlightSteps(cfg.max_bad_steps, on_skip=reporter.skipped,
+                                  skipped_before=resumed.skipped)
   last_eval = None
   reporter.restart_clock()
   for step in range(resumed.start, cfg.steps):
-    fn, nbytes = programs(step)
-    params, opt_state, metrics = fn(params, opt_state, feed.next())
-    done = step + 1
-    # Copies: the next step donates (and deletes) the state's buffers.
-    stats = jax.tree.map(jnp.copy, program.method.stats(opt_state))
-    reporter.record(done, dict(metrics, comm_bytes=nbytes, **stats))
     try:
+      # The program of the optimizer's count, not of the step number: a
+      # skipped step does not advance the count (guard.py).
+      fn, nbytes = programs(in_flight.updates_before(step, programs.key))
+      params, opt_state, metrics = fn(params, opt_state, feed.next())
+      done = step + 1
+      # Copies: the next step donates (and deletes) the state's buffers.
+      stats = jax.tree.map(jnp.copy, program.method.stats(opt_state))
+      reporter.record(done, dict(metrics, comm_bytes=nbytes, **stats))
       in_flight.push(done, metrics)
       signum = signals.requested()
       saving = _checkpoint_due(cfg, done) or signum is not None
@@ -433,7 +443,7 @@ def _loop(cfg, program: Program, programs: StepPrograms, feed: _DataFeed,
       reporter.exclude(time.perf_counter() - t)
     if saving:
       t = time.perf_counter()
-      save(done, params, opt_state)
+      save(done, params, opt_state, in_flight.skipped_in_all)
       reporter.exclude(time.perf_counter() - t)
     if signum and done < cfg.steps:
       raise preemption.Interrupted(signum, done, (
