@@ -184,8 +184,9 @@ _OUTER = ['--config.mesh.replica=2', '--config.mesh.data=4']
 @pytest.mark.parametrize('overrides,match', [
     (['--config.optimizer.eps=1e-50'], r'eps=1e-50 must be .*>= 1.18e-38'),
     (['--config.optimizer.name=radius', '--config.steps=150'],
-     r'optimizer.radius.interval=200, dense_fraction=0.16: every one of the '
-     r'150 steps is dense \(the first resample would be step 200\)'),
+     r'optimizer.radius.interval=200, dense_fraction=0.16: no step is '
+     r'sparse: every one of the 150 steps is dense \(the first resample '
+     r'would be step 200\)'),
     (['--config.optimizer.name=radius', '--config.steps=100',
       '--config.optimizer.radius.interval=7',
       '--config.optimizer.radius.dense_fraction=1'], 'step 105'),
@@ -216,6 +217,33 @@ _OUTER = ['--config.mesh.replica=2', '--config.mesh.data=4']
       '--config.optimizer.scape.fp32_replica=true'],
      r'fp32_replica=True needs low-precision'),  # SCAPE as the inner method
     (['--config.optimizer.name=diloco', *_OUTER,
+      '--config.optimizer.diloco.inner=scape',
+      '--config.optimizer.scape.fp32_replica=true',
+      '--config.model.param_dtype=bfloat16'],
+     r"fp32_replica=True inside optimizer.name='diloco' is not supported"),
+    (['--config.optimizer.name=pier', *_OUTER, '--config.steps=100',
+      '--config.optimizer.pier.inner=scape',
+      '--config.optimizer.pier.lazy_start=0',
+      '--config.optimizer.scape.fp32_replica=true',
+      '--config.model.param_dtype=bfloat16'],
+     r"fp32_replica=True inside optimizer.name='pier'"),
+    # Pier: the lazy start (70 steps) outlasts the last sync (step 60).
+    (['--config.optimizer.name=pier', '--config.steps=100', *_OUTER,
+      '--config.optimizer.pier.sync_every=60',
+      '--config.optimizer.pier.lazy_start=0.7'],
+     r'lazy_start=0.7, sync_every=60: no sync after the lazy start '
+     r'\(steps 1-70 of 100\)'),
+    # Radius: no sparse step, every step from the first resample resamples.
+    (['--config.optimizer.name=radius', '--config.steps=200',
+      '--config.optimizer.radius.interval=1'],
+     r'interval=1, dense_fraction=0.16: no step is sparse: every step from '
+     r'the first resample on resamples'),
+    # ... or the only resample is the last step.
+    (['--config.optimizer.name=radius', '--config.steps=200',
+      '--config.optimizer.radius.interval=50',
+      '--config.optimizer.radius.dense_fraction=0.9'],
+     r'no step is sparse: the first resample is the last step, 200'),
+    (['--config.optimizer.name=diloco', *_OUTER,
       '--config.optimizer.diloco.inner=bogus'],
      r"optimizer.diloco: inner='bogus' is not an inner method; allowed: "
      'adamw, adams, scape, radius, demo$'),
@@ -227,7 +255,13 @@ def test_settings_with_no_effect_are_errors(overrides, match):
 
 def test_settings_with_an_effect_pass():
   for overrides in (
-      ['--config.optimizer.name=radius', '--config.steps=200'],  # resample
+      ['--config.optimizer.name=radius', '--config.steps=201'],  # sparse
+      ['--config.optimizer.name=radius', '--config.steps=201',  # one sparse
+       '--config.optimizer.radius.interval=50',
+       '--config.optimizer.radius.dense_fraction=0.9'],
+      ['--config.optimizer.name=pier', '--config.steps=100', *_OUTER,
+       '--config.optimizer.pier.sync_every=60',
+       '--config.optimizer.pier.lazy_start=0.5'],  # a sync at step 60
       ['--config.optimizer.name=diloco', '--config.steps=50', *_OUTER],
       ['--config.optimizer.name=pier', '--config.steps=100', *_OUTER,
        '--config.optimizer.pier.outer_lr_schedule=false',

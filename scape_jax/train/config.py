@@ -421,6 +421,13 @@ def _optimizer_problems(cfg: Config) -> list[str]:
     problems.append('optimizer.scape.fp32_replica=True needs low-precision '
                     "parameters (model.param_dtype='bfloat16'): with "
                     "'float32' it is a second copy of the same values")
+  if fp32_replica and methods.get(o.name).per_replica:
+    problems.append(
+        f'optimizer.scape.fp32_replica=True inside optimizer.name='
+        f'{o.name!r} is not supported: the replica is the inner SCAPE\'s '
+        'authoritative copy of the parameters, which the outer sync does '
+        'not set, so every group would go back to its own model after each '
+        'sync; use fp32_replica with optimizer.name=\'scape\'')
   return problems
 
 

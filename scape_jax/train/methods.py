@@ -391,13 +391,21 @@ def _radius_no_effect(cfg, section: RadiusConfig, total_steps: int) -> list:
   del cfg
   schedule = radius_lib.RadiusSchedule(
       section.interval, _radius_threshold(section.dense_fraction, total_steps))
-  if schedule.first_resample <= total_steps:
-    return []
+  first = schedule.first_resample
+  if first < total_steps and section.interval > 1:
+    return []  # step first + 1 is sparse
+  if first > total_steps:
+    why = (f'every one of the {total_steps} steps is dense (the first '
+           f'resample would be step {first})')
+  elif section.interval == 1:
+    why = 'every step from the first resample on resamples (a dense step)'
+  else:
+    why = (f'the first resample is the last step, {first}, and its masks '
+           'are never used')
   return [f'interval={section.interval}, dense_fraction='
-          f'{section.dense_fraction}: every one of the {total_steps} steps is '
-          f'dense (the first resample would be step '
-          f'{schedule.first_resample}), so density, index_radius and select '
-          'have no effect; lower interval or dense_fraction']
+          f'{section.dense_fraction}: no step is sparse: {why}, so density, '
+          'index_radius and select have no effect; lower dense_fraction, or '
+          'choose an interval between 2 and the steps']
 
 
 register(MethodSpec('radius', _build_radius, section=RadiusConfig,
@@ -554,6 +562,14 @@ def _diloco_no_effect(cfg, section: DiLoCoConfig, total_steps: int) -> list:
 def _pier_no_effect(cfg, section: PierConfig, total_steps: int) -> list:
   del cfg
   problems = _no_sync(section, total_steps)
+  lazy = outer_lib.lazy_start_steps(section.lazy_start, total_steps)
+  r = section.sync_every
+  if not problems and lazy and (lazy // r + 1) * r > total_steps:
+    problems.append(
+        f'lazy_start={section.lazy_start}, sync_every={r}: no sync after '
+        f'the lazy start (steps 1-{lazy} of {total_steps}), so the groups '
+        'train apart to the end and group 0 is evaluated and saved; lower '
+        'lazy_start or sync_every')
   for key, switch in (('outer_momentum', 'momentum_decay'),
                       ('outer_lr', 'outer_lr_schedule')):
     if getattr(section, switch) and changed(section, key):
