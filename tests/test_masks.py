@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from scape_jax.comm import masks
+from scape_jax.optim import _radius as radius_lib
 
 
 @pytest.mark.parametrize('c', [1, 31, 32, 33, 100])
@@ -94,3 +95,14 @@ def test_chunk_topk_ranks_magnitudes_and_puts_nan_first():
     bits = np.asarray(masks.chunk_topk_bits(scores, valid, width,
                                             jnp.int32(k)))
     assert np.flatnonzero(bits).tolist() == chosen
+
+
+@pytest.mark.parametrize('density, chunk, k', [
+    (0.1, 10, 1), (0.1, 30, 3), (0.1, 320, 32), (0.05, 20, 1),
+    (0.3, 10, 3), (0.01, 700, 7)])
+def test_a_numpy_density_is_its_decimal_too(density, chunk, k):
+  """np.float32(0.1) widened to a double is 0.10000000149..., whose ceiling
+  over 10 entries was 2: a NumPy scalar reads as its own shortest decimal."""
+  for x in (np.float32(density), np.float64(density), density):
+    assert masks.chunk_k(x, chunk) == k, x
+    assert radius_lib.top_k_count(x, chunk) == k, x

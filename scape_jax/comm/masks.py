@@ -21,6 +21,7 @@ from typing import Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from scape_jax.kernels.topk_mask import PAD_KEY, as_float_key, magnitude_key
 
@@ -52,11 +53,21 @@ def check_wire_request(mask_encoding: str, offset_bits):
   return bits
 
 
+def exact_decimal(x) -> fractions.Fraction:
+  """The decimal a float was written as, exactly: 0.1 is 1/10, not the
+  binary double nearest it, and a NumPy scalar reads as the shortest decimal
+  of its own precision (np.float32(0.1) is 1/10 too, not the float32 value
+  widened to a double, 0.10000000149...)."""
+  if isinstance(x, np.floating):
+    return fractions.Fraction(str(x))
+  return fractions.Fraction(repr(float(x)))
+
+
 def chunk_k(density: float, chunk: int) -> int:
   """k = ceil(density * chunk), computed exactly on the decimal `density`."""
   if not 0.0 < density <= 1.0:
     raise ValueError(f'density={density!r} must be in (0, 1].')
-  k = math.ceil(fractions.Fraction(repr(float(density))) * chunk)
+  k = math.ceil(exact_decimal(density) * chunk)
   return max(1, min(chunk, k))
 
 

@@ -26,7 +26,6 @@ that `init` returns under `jax.set_mesh(mesh)`, size 1 inside `shard_map`
 """
 
 import dataclasses
-import fractions
 import functools
 import math
 from typing import NamedTuple, Optional, Sequence
@@ -110,7 +109,7 @@ def top_k_count(density: float, size: int) -> int:
   if not 0.0 < value <= 1.0:
     raise ValueError(
         f'scale_by_radius: density={density!r} must be in (0, 1].')
-  k = math.ceil(fractions.Fraction(repr(value)) * size)
+  k = math.ceil(mask_bits.exact_decimal(density) * size)
   return max(1, min(size, k))
 
 
