@@ -1,5 +1,6 @@
 """SCAPE's density warmup schedule (`DensitySchedule`): its levels and the
-level in force at each step, against values worked out by hand. The
+level in force at each step, against values worked out by hand, and
+Algorithm 1 under a warmup against the NumPy reference. The
 programs it selects are tested in test_scape.py."""
 
 import jax.numpy as jnp
@@ -36,3 +37,33 @@ def test_density_level_by_hand(warmup, max_levels, expected):
   assert [sched.level(t) for t in range(len(expected))] == expected
   assert [int(sched.level(jnp.int32(t)))
           for t in range(len(expected))] == expected
+
+
+def test_algorithm_1_under_a_warmup_matches_numpy():
+  """The plain optax path (no static level: a `lax.switch` on the state's
+  count) against the NumPy reference, whose density at each step comes from
+  the table above worked by hand (warmup 3 at density 0.01: levels 1,
+  0.01**(1/3), 0.01**(2/3), 0.01 after 0, 1, 2, 3+ updates), not from
+  `DensitySchedule`. The mask chosen in update t is for update t + 1."""
+  from tests.mesh_runner import MeshRunner, random_params, worker_grads  # pylint: disable=g-import-not-at-top
+  from tests.reference import ScapeReference  # pylint: disable=g-import-not-at-top
+  shapes = {'w': (64, 40), 'v': (13, 7), 'b': (7,)}
+  n, steps, clip = 8, 7, 2.0
+  params = random_params(shapes)
+  grads = worker_grads(params, n, steps)
+  names = sorted(params)
+  compressed = [len(shapes[k]) >= 2 for k in names]
+  tx = scape_jax.scape(1e-2, density=scape_jax.DensitySchedule(0.01, 3),
+                       clip_norm=clip)
+  run = MeshRunner(tx, params, n)
+  ref = ScapeReference([params[k] for k in names], compressed, n,
+                       density=1.0, lr_fn=lambda i: 1e-2, clip=clip)
+  by_hand = [0, 1, 2, 3, 3, 3, 3, 3]  # the level after t updates
+  for t, g in enumerate(grads):
+    ref.density = 0.01 ** (by_hand[t + 1] / 3)  # the next mask's
+    run.step(g)
+    ref.step([[g[k][w] for k in names] for w in range(n)])
+    for j, k in enumerate(names):
+      np.testing.assert_allclose(np.asarray(run.params[k]), ref.w[j],
+                                 rtol=2e-5, atol=2e-6, err_msg=f'{k} t={t}')
+  assert float(run.state[0].density) == pytest.approx(0.01)
