@@ -544,7 +544,7 @@ def test_pallas_select_lowers_the_update_for_cuda():
   assert 'scape_count_at_least' in text and 'scape_threshold_mask_words' in text
 
 
-@pytest.mark.parametrize('density', [0.0, -0.1, 1.5])
+@pytest.mark.parametrize('density', [0.0, -0.1, 1.5, float('nan'), '0.1', True])
 def test_rejects_density_outside_unit_interval(density):
   with pytest.raises(ValueError, match=r'density=.*\(0, 1\]'):
     scape_jax.scape(1e-2, density=density)

@@ -17,6 +17,7 @@ Pallas kernels for packing and selection are in `scape_jax.kernels`.
 import dataclasses
 import fractions
 import math
+import numbers
 from typing import Tuple
 
 import jax
@@ -65,8 +66,9 @@ def exact_decimal(x) -> fractions.Fraction:
 
 def chunk_k(density: float, chunk: int) -> int:
   """k = ceil(density * chunk), computed exactly on the decimal `density`."""
-  if not 0.0 < density <= 1.0:
-    raise ValueError(f'density={density!r} must be in (0, 1].')
+  if (isinstance(density, bool) or not isinstance(density, numbers.Real)
+      or not 0.0 < density <= 1.0):
+    raise ValueError(f'density={density!r} must be a number in (0, 1].')
   k = math.ceil(exact_decimal(density) * chunk)
   return max(1, min(chunk, k))
 
