@@ -75,10 +75,12 @@ def _losses(out_dir) -> dict:
 # its schedule, where the program of the next update depends on whether
 # this one was applied.
 METHODS = {
-    # The density warmup: a new level (a new k) at nearly every update.
+    # The density warmup: 3 levels, round(2 min(count, 5) / 5), so the
+    # updates after counts 3 and 4 run different ks.
     'scape': ['--config.optimizer.name=scape',
               '--config.optimizer.scape.density=0.05',
-              '--config.optimizer.scape.density_warmup_steps=8'],
+              '--config.optimizer.scape.density_warmup_steps=5',
+              '--config.optimizer.scape.density_levels=3'],
     # The first resample is update t = 4; the updates after it are sparse.
     'radius': ['--config.optimizer.name=radius',
                '--config.optimizer.radius.interval=4',
