@@ -20,6 +20,7 @@ from scape_jax.optim import ScaleByRadiusState
 from scape_jax.optim import ScaleByScapeDistState
 from scape_jax.optim import ScaleByScapeState
 from scape_jax.optim import adams
+from scape_jax.optim import compress_except
 from scape_jax.optim import demo
 from scape_jax.optim import demo_stats
 from scape_jax.optim import radius
@@ -47,6 +48,7 @@ __all__ = [
     'ScaleByScapeDistState',
     'ScaleByScapeState',
     'adams',
+    'compress_except',
     'demo',
     'demo_stats',
     'init_sharded',

@@ -170,3 +170,28 @@ def test_sharded_params_are_refused_by_name(name):
                          param_specs=specs)
   scape_jax.init_sharded(_SELF_EXCHANGING[name](), params, mesh,
                          param_specs={'w': P(), 'b': P()})
+
+
+def test_compress_except_leaves_the_named_leaves_dense():
+  """compress_except(['w']): leaf 'w' is sent whole and updated as a dense
+  leaf, 'v' stays compressed: the NumPy reference with that choice."""
+  from tests.reference import ScapeReference  # pylint: disable=g-import-not-at-top
+  shapes = {'w': (32, 16), 'v': (24, 8), 'b': (8,)}
+  params = random_params(shapes)
+  n, grads = 8, worker_grads(params, 8, 6)
+  names = sorted(params)  # b, v, w
+  tx = scape_jax.scape(1e-2, density=0.1, clip_norm=None,
+                       compress=scape_jax.compress_except(['w']))
+  run = MeshRunner(tx, params, n)
+  ref = ScapeReference([params[k] for k in names], [False, True, False], n,
+                       density=0.1, lr_fn=lambda i: 1e-2)
+  for g in grads:
+    run.step(g)
+    ref.step([[g[k][w] for k in names] for w in range(n)])
+  for j, k in enumerate(names):
+    np.testing.assert_allclose(np.asarray(run.params[k]), ref.w[j],
+                               rtol=2e-5, atol=2e-6, err_msg=k)
+  assert scape_jax.compress_except(['', ' ']) is None
+  with pytest.raises(ValueError, match=r"scape: \['x'\] match no parameter "
+                     r"path; the paths are \[\"\['b'\]\""):
+    scape_jax.compress_except(['w', 'x'], 'scape')(params)

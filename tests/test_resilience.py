@@ -156,7 +156,7 @@ _OTHER_VALUE = {
                   offload_kind='unpinned_host', distributed=True,
                   fp32_replica=False,
                   payload_dtype='bfloat16', offset_bits='16',
-                  variant='local_adam'),
+                  variant='local_adam', dense_leaves='embed_tokens'),
     'radius': dict(density=0.25, interval=5, dense_fraction=0.3,
                    index_radius=1, select='sort'),
     'demo': dict(beta=0.9, chunk=32, topk=8),

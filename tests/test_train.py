@@ -98,6 +98,32 @@ def test_train_step_bytes_on_the_wire(corpus, tmp_path):
   assert reduced < 0.02 * sum(int(np.prod(p.shape)) for p in leaves)
 
 
+def test_dense_leaves_are_reduced_whole(corpus, tmp_path):
+  """optimizer.scape.dense_leaves: the embedding is all-reduced in full,
+  beside the selected values; a part matching no parameter names itself."""
+  density, n = 0.01, 8
+
+  def reduced(*overrides):
+    program = trainer.build_program(_cfg(
+        corpus, tmp_path, '--config.optimizer.name=scape',
+        f'--config.optimizer.scape.density={density}', '--config.steps=10',
+        *overrides))
+    cols = analysis.collectives_from_hlo(program.compile_step(5).as_text())
+    return program, sum(c.elements for c in cols if c.kind == 'all-reduce')
+
+  program, base = reduced()
+  _, more = reduced('--config.optimizer.scape.dense_leaves=embed_tokens')
+  [embedding] = [p for path, p in jax.tree_util.tree_flatten_with_path(
+      program.abstract_params)[0] if 'embed_tokens' in str(path)]
+  size = int(np.prod(embedding.shape))
+  k = masks.chunk_k(density, masks.LeafLayout.create(size, n).chunk_size)
+  assert more - base == size - n * k
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"optimizer.scape.dense_leaves: \['embeding'\] "
+                     'match no parameter path'):
+    reduced('--config.optimizer.scape.dense_leaves=embeding')
+
+
 def test_dense_train_step_reduces_every_parameter(corpus, tmp_path):
   program = trainer.build_program(_cfg(corpus, tmp_path, '--config.steps=2'))
   cols = analysis.collectives_from_hlo(program.compile_step(1).as_text())

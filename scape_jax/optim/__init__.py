@@ -8,6 +8,7 @@ user-facing alias. Shared defaults, type aliases and bias correction live in
 from scape_jax.optim._adams import ScaleByAdamSState
 from scape_jax.optim._adams import adams
 from scape_jax.optim._adams import scale_by_adams
+from scape_jax.optim._common import compress_except
 from scape_jax.optim._demo import ScaleByDemoState
 from scape_jax.optim._demo import demo
 from scape_jax.optim._demo import demo_stats
@@ -34,7 +35,8 @@ from scape_jax.optim._scape_dist import scape_to_dist
 __all__ = [
     'DensitySchedule', 'Fp32ReplicaState', 'RadiusSchedule',
     'ScaleByAdamSState', 'ScaleByDemoState', 'ScaleByRadiusState',
-    'ScaleByScapeDistState', 'ScaleByScapeState', 'adams', 'demo', 'demo_stats',
+    'ScaleByScapeDistState', 'ScaleByScapeState', 'adams', 'compress_except',
+    'demo', 'demo_stats',
     'dist_to_scape', 'radius', 'radius_stats', 'scale_by_adams',
     'scale_by_demo', 'scale_by_radius', 'scale_by_scape', 'scale_by_scape_dist',
     'scape', 'scape_dist', 'scape_dist_stats', 'scape_stats', 'scape_to_dist',

@@ -233,3 +233,30 @@ def at_density_level(step: Callable[[int], Any], density_level,
     return step(0)
   return jax.lax.switch(scheduled_level, [functools.partial(step, i)
                                           for i in range(len(levels))])
+
+
+def compress_except(parts: Sequence[str], where: str = 'compress_except'):
+  """A `compress` for SCAPE that sends whole, besides the leaves of rank < 2
+  (norms, biases), every leaf whose path (`jax.tree_util.keystr`) contains
+  one of `parts` (e.g. 'embed_tokens'); None (the default) if `parts` holds
+  no non-empty string. A part that matches no leaf is a ValueError naming
+  it and `where`."""
+  parts = [p.strip() for p in parts if p.strip()]
+  if not parts:
+    return None
+
+  def leaves_not_in(path) -> bool:
+    return not any(p in jax.tree_util.keystr(path) for p in parts)
+
+  def compress(tree):
+    paths = [jax.tree_util.keystr(path) for path, _ in
+             jax.tree_util.tree_flatten_with_path(tree)[0]]
+    unmatched = [p for p in parts if not any(p in path for path in paths)]
+    if unmatched:
+      raise ValueError(f'{where}: {unmatched} match no parameter path; the '
+                       f'paths are {paths}')
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x.ndim >= 2 and x.size > 0 and leaves_not_in(path),
+        tree)
+
+  return compress

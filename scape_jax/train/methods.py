@@ -36,6 +36,7 @@ from scape_jax.optim import _radius as radius_lib
 from scape_jax.optim import _replica as replica_lib
 from scape_jax.optim import _scape as scape_lib
 from scape_jax.optim import _scape_dist as scape_dist_lib
+from scape_jax.optim._common import compress_except
 from scape_jax.comm.axes import DATA, FSDP_AXES, REPLICA
 from scape_jax.sharding import memory as sharding_memory
 
@@ -277,6 +278,9 @@ class ScapeConfig:
   # 'faithful' (Alg. 1) or another of `optim._scape_variants.VARIANTS`
   # (docs/design.md).
   variant: str = 'faithful'
+  # Comma-separated parts of parameter paths whose leaves are sent whole
+  # every step, as norms and biases are (e.g. 'embed_tokens'); '': none.
+  dense_leaves: str = ''
 
 
 def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
@@ -292,7 +296,9 @@ def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
       lr, density=schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
       weight_decay=cfg.weight_decay,
       clip_norm=cfg.clip_norm if cfg.clip_norm > 0 else None,
-      axis_name=ctx.axis_name, mask_encoding=section.mask_encoding,
+      axis_name=ctx.axis_name, compress=compress_except(
+          section.dense_leaves.split(','), 'optimizer.scape.dense_leaves'),
+      mask_encoding=section.mask_encoding,
       select=section.select, **_wire_options(section), **variant)
   if section.fp32_replica:
     tx = replica_lib.with_fp32_replica(tx)

@@ -286,8 +286,11 @@ def build_program(cfg: Config, devices=None) -> Program:
   method = methods.build(cfg.optimizer, cfg.steps,
                          methods.Context(sharding.DATA, fsdp=layout.fsdp > 1))
   trainable = layout.split(group_params)[0]
-  with jax.set_mesh(mesh):
-    opt_shapes = jax.eval_shape(method.tx.init, trainable)
+  try:
+    with jax.set_mesh(mesh):
+      opt_shapes = jax.eval_shape(method.tx.init, trainable)
+  except ValueError as e:  # the method's settings do not fit the model
+    raise ConfigError(str(e)) from e
   opt_specs = sharding.state_partition_specs(
       opt_shapes, sharding.DATA, params=trainable,
       param_specs=layout.trainable_specs())

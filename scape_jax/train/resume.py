@@ -55,6 +55,7 @@ RESUME_SAFE_KEYS = ('log_every', 'eval_every', 'eval_batches', 'ckpt_every',
 # shapes.)
 STRUCTURAL_KEYS = ('optimizer.name', 'optimizer.diloco.inner',
                    'optimizer.pier.inner', 'optimizer.scape.fp32_replica',
+                   'optimizer.scape.dense_leaves',
                    'optimizer.scape.variant', 'optimizer.radius.density',
                    'optimizer.radius.index_radius', 'model.preset',
                    'model.param_dtype', 'model.lora.rank',
