@@ -63,6 +63,14 @@ def load_grid(out: str) -> dict:
   return grid
 
 
+def require_adams(parser, out: str) -> None:
+  """A usage error (exit 2) unless `out` holds AdamS runs of the grid's base
+  point, the reference of the studies' tables."""
+  if not load_grid(out).get(('base', ''), {}).get('AdamS'):
+    parser.error(f'--out {out!r}: no AdamS runs of the grid there '
+                 '(bench/fidelity.py grid makes them)')
+
+
 def gaps(point_runs: dict, method: str) -> list:
   """Per seed: eval loss of `method` / AdamS's - 1, where both finished."""
   return list(seed_gaps(point_runs, method).values())

@@ -102,11 +102,8 @@ def main():
   args = parser.parse_args()
   if args.cmd == 'run':
     run(args.out, args.scales, args.seeds, args.hours)
-  elif not fidelity_report.load_grid(args.out).get(('base', ''), {}).get(
-      'AdamS'):
-    parser.error(f'--out {args.out!r}: no AdamS runs of the grid there '
-                 '(bench/fidelity.py grid makes them)')
   else:
+    fidelity_report.require_adams(parser, args.out)
     print(table(args.out))
 
 

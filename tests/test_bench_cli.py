@@ -137,17 +137,24 @@ def test_bad_values_are_usage_errors(module, entry, argv, message, a_file,
   assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize('argv, message', [
-    (['table', '--out', '{missing}'], 'no AdamS runs of the grid there'),
-    (['run', '--scales=-1,nan', '--out', '{missing}'], 'argument --scales'),
-    (['run', '--seeds', '1,x', '--out', '{missing}'], 'argument --seeds'),
+@pytest.mark.parametrize('script, argv, message', [
+    (s, ['table', '--out', '{missing}'], 'no AdamS runs of the grid there')
+    for s in ('fidelity_temper', 'fidelity_leaves')] + [
+    ('fidelity_temper', ['run', '--scales=-1,nan', '--out', '{missing}'],
+     'argument --scales'),
+    ('fidelity_temper', ['run', '--seeds', '1,x', '--out', '{missing}'],
+     'argument --seeds'),
+    ('fidelity_leaves', ['run', '--seeds', '1,x', '--out', '{missing}'],
+     'argument --seeds'),
+    ('fidelity_leaves', ['run', '--methods', 'AdamS', '--out', '{missing}'],
+     'argument --methods'),
 ])
-def test_fidelity_temper_refuses(argv, message, tmp_path, capsys,
+def test_fidelity_studies_refuse(script, argv, message, tmp_path, capsys,
                                  monkeypatch):
   argv = [a.format(missing=str(tmp_path / 'missing')) for a in argv]
-  monkeypatch.setattr(sys, 'argv', ['fidelity_temper.py', *argv])
+  monkeypatch.setattr(sys, 'argv', [f'{script}.py', *argv])
   with pytest.raises(SystemExit) as e:
-    _main('fidelity_temper')()
+    _main(script)()
   assert e.value.code == 2
   assert message in capsys.readouterr().err
 
