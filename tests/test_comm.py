@@ -1,4 +1,4 @@
-"""Tests for scape_jax.comm: collectives read from compiled HLO.
+"""Tests for scape_jax.analysis: collectives read from compiled HLO.
 
 Observed on CPU XLA (jax 0.10.2, 8 simulated devices), and asserted below:
   * psum -> all-reduce, all_gather -> all-gather, psum_scatter ->
@@ -6,8 +6,9 @@ Observed on CPU XLA (jax 0.10.2, 8 simulated devices), and asserted below:
   * all_to_all -> all-to-all in tuple form (one f32[k] operand per peer);
     the parser sums the operands.
   * bf16 collectives are promoted to f32 on CPU (convert, f32 collective,
-    convert back), so the CPU program really moves f32; bf16 byte sizes are
-    checked on handwritten HLO instead.
+    convert back, a `*_promoted` reduction): the parser prices them as the
+    program sends them, in bf16, with a note; bf16 byte sizes are also
+    checked on handwritten HLO.
   * Independent psums are combined into one tuple-shaped all-reduce.
   * fori_loop bodies keep a `while` with `known_trip_count` in backend_config.
   * Automatic (GSPMD) partitioning prints replica_groups in the mesh-axes form
@@ -115,11 +116,39 @@ def test_dtypes():
   f = _smap(lambda x: lax.all_gather(x, 'data', tiled=True))
   c = _one(analysis.collectives(f, _sds((64,), jnp.uint8)))
   assert (c.dtype, c.elements, c.bytes) == ('u8', 64, 64)
-  # bf16: CPU XLA promotes the collective to f32; other backends keep bf16.
-  c = _one(analysis.collectives(_smap(lambda x: lax.psum(x, 'data')),
-                            _sds((64,), jnp.bfloat16)))
+  # bf16: XLA:CPU moves the collective as f32; it is priced as sent, bf16.
   on_cpu = jax.default_backend() == 'cpu'
-  assert (c.dtype, c.bytes) == (('f32', 32) if on_cpu else ('bf16', 16))
+  for collective in (lambda x: lax.psum(x, 'data'),
+                     lambda x: lax.all_gather(x, 'data', tiled=True) * 2):
+    c = _one(analysis.collectives(_smap(collective),
+                                  _sds((64,), jnp.bfloat16)))
+    assert (c.dtype, c.bytes) == ('bf16', 16 if c.kind == 'all-reduce'
+                                  else 128), c
+    assert ('widened to f32 by the compiler' in c.note) == on_cpu
+  # A program that reduces in f32 on purpose is priced in f32.
+  c = _one(analysis.collectives(_smap(
+      lambda x: lax.psum(x.astype(jnp.float32), 'data')),
+                                _sds((64,), jnp.bfloat16)))
+  assert (c.dtype, c.bytes, c.note) == ('f32', 32, '')
+
+
+def test_unpriced_kinds_are_listed_and_make_the_total_incomplete():
+  text = """HloModule m, num_partitions=8
+
+ENTRY %main (p: f32[1024]) -> f32[1024] {
+  %p = f32[1024]{0} parameter(0)
+  %cb = f32[1024]{0} collective-broadcast(%p), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}
+  %tok = token[] after-all()
+  %send = (f32[1024]{0}, u32[], token[]) send(f32[1024]{0} %cb, token[] %tok), channel_id=3
+  %send-done = token[] send-done((f32[1024]{0}, u32[], token[]) %send), channel_id=3
+  ROOT %o = f32[1024]{0} copy(%cb)
+}
+"""
+  cols = analysis.collectives_from_hlo(text)
+  assert [(c.kind, c.dtype, c.elements, c.count) for c in cols] == [
+      ('collective-broadcast', 'f32', 1024, None), ('send', 'f32', 1024, None)]
+  assert 'INCOMPLETE: 2 collective(s)' in analysis.format_table(cols)
+  assert analysis.bytes_sent(cols) == 0
 
 
 def test_combined_psums_tuple_all_reduce():

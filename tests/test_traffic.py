@@ -104,6 +104,37 @@ def test_levels_and_boundary_bytes_by_hand():
     traffic.spanned_axes(((0, 9),), MESH_2X4)
 
 
+def test_all_to_all_and_permute_boundary_bytes_from_compiled_programs():
+  """An all-to-all sends a 1/N block straight to each peer: to the 4 peers
+  on the other node, 4/8 of S cross (not 2 of 8 ring links). A
+  collective-permute's pairs cross when they join two nodes."""
+  mesh = jax.make_mesh((2, 4), ('node', 'fsdp'))
+  spec = P(('node', 'fsdp'))
+  x = jax.ShapeDtypeStruct((8 * 1024,), jnp.float32,
+                           sharding=NamedSharding(mesh, spec))
+
+  def one(body):
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec,
+                              out_specs=spec, check_vma=False))
+    [col] = analysis.collectives_from_hlo(f.lower(x).compile().as_text())
+    return col
+
+  intra = ('fsdp',)
+  a2a = one(lambda v: jax.lax.all_to_all(v, ('node', 'fsdp'), 0, 0,
+                                         tiled=True))
+  assert (a2a.kind, a2a.bytes, a2a.bytes_sent) == ('all-to-all', 4096, 3584)
+  assert traffic.boundary_bytes(a2a, MESH_2X4, intra) == pytest.approx(2048)
+  across = one(lambda v: jax.lax.ppermute(v, ('node', 'fsdp'), [
+      (i, (i + 4) % 8) for i in range(8)]))
+  assert across.groups == tuple((i, (i + 4) % 8) for i in range(8))
+  assert traffic.level(across, MESH_2X4, intra) == 'inter'
+  assert traffic.boundary_bytes(across, MESH_2X4, intra) == 4096
+  within = one(lambda v: jax.lax.ppermute(v, 'fsdp', [
+      (i, (i + 1) % 4) for i in range(4)]))
+  assert traffic.level(within, MESH_2X4, intra) == 'intra'
+  assert traffic.boundary_bytes(within, MESH_2X4, intra) == 0
+
+
 def test_offloaded_and_host_argument_bytes():
   offload = jax.checkpoint_policies.save_and_offload_only_these_names(
       names_which_can_be_saved=[], names_which_can_be_offloaded=['w'],

@@ -15,7 +15,14 @@ Collectives inside `while` bodies are multiplied by the trip count XLA
 recorded (`known_trip_count`), through nested loops. When that is missing, or
 a collective sits in a `conditional` branch, its count is `None`: it is listed
 with a note, left out of the totals, and `format_table` says the total is
-incomplete. Nothing is guessed.
+incomplete. So is a collective of a kind not priced here (`UNPRICED`, e.g.
+`send`): nothing is guessed.
+
+A collective the compiler widened is priced at the width the program asked
+for: XLA:CPU moves a bf16 collective as f32, with converts around it (and,
+for a reduction, its reduction computation renamed `*_promoted`), where a
+GPU or TPU sends the bf16 values. Such a row keeps the narrow dtype and
+says so in its note.
 """
 
 from __future__ import annotations
@@ -40,9 +47,14 @@ _DTYPE_BYTES = {
     'c128': 16, 's4': 0.5, 'u4': 0.5, 'f4e2m1fn': 0.5, 's2': 0.25, 'u2': 0.25,
 }
 
+# Collective opcodes listed with an unknown count (left out of the totals).
+UNPRICED = ('collective-broadcast', 'ragged-all-to-all', 'send', 'recv')
+
 NOTE_TRIP_UNKNOWN = 'trip count unknown'
 NOTE_IN_BRANCH = 'in conditional branch'
 NOTE_UNREACHABLE = 'not reachable from ENTRY'
+NOTE_UNPRICED = 'collective kind not priced'
+NOTE_WIDENED = 'widened to {wide} by the compiler, priced as sent'
 
 
 def dtype_bytes(dtype: str) -> float:
@@ -67,7 +79,7 @@ _RING = {
 @dataclasses.dataclass(frozen=True)
 class Collective:
   """One collective of a compiled program (per-device view)."""
-  kind: str  # One of KINDS.
+  kind: str  # One of KINDS (or UNPRICED, with count None).
   dtype: str  # HLO dtype, e.g. 'f32', 'bf16'.
   elements: int  # Per-device element count of the buffer S (see module doc).
   group_size: int  # N, devices per replica group.
@@ -75,7 +87,8 @@ class Collective:
   name: str  # HLO instruction name.
   note: str = ''
   # The device ids of each replica group (ids index the program's devices,
-  # i.e. the mesh in row-major order); None when the HLO does not say.
+  # i.e. the mesh in row-major order; a collective-permute's (source,
+  # target) pairs); None when the HLO does not say.
   groups: tuple[tuple[int, ...], ...] | None = None
   op_name: str = ''  # JAX's metadata op_name (its transformation path).
 
@@ -126,6 +139,7 @@ class _Instr:
   attrs: str  # Attribute text with quoted strings blanked out.
   trip: int | None  # known_trip_count (while only).
   op_name: str = ''  # metadata op_name, if any.
+  root: bool = False  # the ROOT of its computation
 
 
 def _close(s: str, i: int) -> int:
@@ -184,7 +198,8 @@ def _parse_instr(line: str) -> _Instr | None:
   return _Instr(m.group(1), shape, op.group(1),
                 _split_top(rest[open_paren + 1:end - 1]), rest[end:],
                 int(trip.group(1)) if trip else None,
-                op_name.group(1) if op_name else '')
+                op_name.group(1) if op_name else '',
+                line.lstrip().startswith('ROOT'))
 
 
 def _attr_value(attrs: str, key: str) -> str | None:
@@ -239,6 +254,12 @@ def _group_size(ins: _Instr, base: str, num_devices: int) -> tuple[int, str]:
     return num_devices, ''
   note = '' if len(set(sizes)) == 1 else 'non-uniform groups, max size used'
   return max(sizes), note
+
+
+def _permute_pairs(ins: _Instr) -> tuple[tuple[int, int], ...]:
+  """A collective-permute's (source, target) pairs that move data."""
+  return tuple((int(a), int(b)) for a, b in _PAIR_RE.findall(
+      _attr_value(ins.attrs, 'source_target_pairs') or '') if a != b)
 
 
 def _iota_groups(value: str) -> tuple[tuple[int, ...], ...]:
@@ -308,6 +329,12 @@ class _Module:
           self.comps[current] = []
         self.comps[current].append(ins)
     self.shapes = {i.name: i.shape for c in self.comps.values() for i in c}
+    self.instrs = {i.name: i for c in self.comps.values() for i in c}
+    self.users = collections.defaultdict(list)  # name -> instructions
+    for c in self.comps.values():
+      for i in c:
+        for text in i.operands:
+          self.users[text.rsplit(None, 1)[-1].lstrip('%')].append(i)
     self._counts: dict[str, tuple[int | None, frozenset[str]]] = {}
     # callee -> [(caller, edge kind, trip count)]
     self.callers = collections.defaultdict(list)
@@ -385,6 +412,69 @@ def _buffer(base: str, is_start: bool, mod: _Module, ins: _Instr,
   return [(d, e * n if base == 'reduce-scatter' else e) for d, e in res]
 
 
+def _called(mod: _Module, ins: _Instr) -> list[_Instr]:
+  """The body of a fusion's computation ([] for any other instruction)."""
+  callee = re.search(r'calls=%?([\w.\-]+)', ins.attrs)
+  return mod.comps.get(callee.group(1), []) if (
+      ins.opcode == 'fusion' and callee) else []
+
+
+def _dtype_of(mod: _Module, operand: str) -> str | None:
+  leaves = _leaves(mod.shapes.get(operand.rsplit(None, 1)[-1].lstrip('%'),
+                                  operand))
+  return leaves[0][0] if len(leaves) == 1 else None
+
+
+# Instructions that move values without changing them.
+_MOVES = ('copy', 'bitcast', 'reshape', 'transpose')
+
+
+def _converted_from(mod: _Module, ins: _Instr | None) -> str | None:
+  """The dtype that `ins` (or a fusion's root) converts from, through
+  instructions that only move the values; None if it is no convert."""
+  if ins is not None and ins.opcode == 'fusion':
+    body = {i.name: i for i in _called(mod, ins)}
+    ins = next((i for i in body.values() if i.root), None)
+    while ins is not None and ins.opcode in _MOVES and ins.operands:
+      ins = body.get(ins.operands[0].rsplit(None, 1)[-1].lstrip('%'))
+  if ins is None or ins.opcode != 'convert' or len(ins.operands) != 1:
+    return None
+  return _dtype_of(mod, ins.operands[0])
+
+
+# What XLA's all-reduce promotion widens each type to, inverted: the type a
+# `*_promoted` reduction of this type was widened from.
+_PROMOTED_FROM = {'f32': 'bf16', 's32': 's16', 'u32': 'u16'}
+
+
+def _widened_from(mod: _Module, ins: _Instr, base: str, dtype: str
+                  ) -> list[str | None]:
+  """Per operand of a collective, the dtype the compiler widened it from to
+  `dtype`, or None.
+
+  XLA:CPU moves bf16 collectives as f32. A reduction (all-reduce,
+  reduce-scatter) then reduces with a computation renamed `*_promoted`: its
+  operands are priced at the narrow type (the one each was converted from,
+  else `_PROMOTED_FROM`); a program that reduces in f32 on purpose has no
+  such computation. Another kind is taken as widened when its one operand
+  is a convert from a narrower float: the compiled program no longer tells
+  that from a program that converts to f32 itself before it gathers (none
+  here does), and such a program is priced at the narrow type too.
+  """
+  before = [_converted_from(mod, mod.instrs.get(
+      t.rsplit(None, 1)[-1].lstrip('%'))) for t in ins.operands]
+  if base in ('all-reduce', 'reduce-scatter'):
+    if not (_attr_value(ins.attrs, 'to_apply') or '').endswith('_promoted'):
+      return [None] * len(ins.operands)
+    return [b if b is not None and dtype_bytes(b) < dtype_bytes(dtype)
+            else _PROMOTED_FROM.get(dtype) for b in before]
+  narrow = before[0] if len(before) == 1 else None
+  if (narrow is None or not narrow.startswith(('bf', 'f')) or
+      dtype_bytes(narrow) >= dtype_bytes(dtype)):
+    return [None] * len(ins.operands)
+  return [narrow]
+
+
 def _header_num_devices(hlo_text: str) -> int:
   head = hlo_text.split('\n', 1)[0]
   return math.prod(int(v) for v in re.findall(
@@ -413,17 +503,31 @@ def collectives_from_hlo(hlo_text: str,
     for ins in instrs:
       is_start = ins.opcode.endswith('-start')
       base = ins.opcode[:-len('-start')] if is_start else ins.opcode
+      if base in UNPRICED:  # listed with its first array, count unknown
+        arrays = [(d, e) for d, e in (mod.operand_leaves(ins) or
+                                      _leaves(ins.shape))
+                  if d in _DTYPE_BYTES or d.startswith('f8')] or [('u8', 0)]
+        rows.append(Collective(base, *arrays[0], num_devices, None, ins.name,
+                               NOTE_UNPRICED, None, ins.op_name))
+        continue
       if base not in KINDS:
         continue
       n, group_note = _group_size(ins, base, num_devices)
-      groups = (None if base == 'collective-permute' else
+      groups = (_permute_pairs(ins) if base == 'collective-permute' else
                 replica_groups(ins.attrs, num_devices))
       count, count_notes = mod.count(comp)
-      note = '; '.join(sorted(count_notes) + ([group_note] if group_note
-                                               else []))
+      notes = sorted(count_notes) + ([group_note] if group_note else [])
+      buffer = _buffer(base, is_start, mod, ins, n)
+      narrow = (_widened_from(mod, ins, base, buffer[0][0])
+                if len(buffer) == len(ins.operands) and not is_start and
+                len({d for d, _ in buffer}) == 1 else [None] * len(buffer))
+      if any(narrow):
+        notes.append(NOTE_WIDENED.format(wide=buffer[0][0]))
       per_dtype: dict[str, int] = {}
-      for dtype, elements in _buffer(base, is_start, mod, ins, n):
+      for (dtype, elements), was in zip(buffer, narrow):
+        dtype = was or dtype
         per_dtype[dtype] = per_dtype.get(dtype, 0) + elements
+      note = '; '.join(notes)
       for dtype, elements in per_dtype.items():
         rows.append(Collective(base, dtype, elements, n, count, ins.name,
                                note, groups, ins.op_name))

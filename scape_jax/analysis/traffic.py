@@ -17,9 +17,11 @@ otherwise.
 call. An inter-node collective is charged whole to the network: a ring's
 steps advance together, so all its traffic moves at the pace of its
 node-crossing links. `boundary_bytes` is the smaller figure of what really
-crosses a node boundary, per device on average, for a topology-aware ring
-(each node's members consecutive): k of its N links cross, k = the nodes in
-the group.
+crosses a node boundary, per device on average: for a topology-aware ring
+(each node's members consecutive), k of its N links cross, k = the nodes in
+the group; an all-to-all sends a 1/N block straight to each peer, so the
+blocks to peers on other nodes cross; a collective-permute's pairs
+(`Collective.groups`) cross when their two devices sit on two nodes.
 """
 
 from __future__ import annotations
@@ -94,8 +96,19 @@ def boundary_bytes(col: Collective, mesh_shape: MeshShape,
                    intra_axes: Sequence[str]) -> float:
   """Bytes crossing node boundaries per device per call, on average, for a
   topology-aware ring (module doc)."""
-  if col.groups is None or col.group_size <= 1:
+  if col.groups is None or col.group_size <= 1 or not col.groups:
     return 0.0
+  if col.kind == 'collective-permute':  # each pair: S from source to target
+    crossing = sum(nodes_in_group(p, mesh_shape, intra_axes) > 1
+                   for p in col.groups)
+    return col.bytes_sent * crossing / len(col.groups)
+  if col.kind == 'all-to-all':  # S/N to each peer; those on other nodes
+    far = []
+    for g in col.groups:
+      node = [tuple(v for k, v in _coords(d, mesh_shape).items()
+                    if k not in intra_axes) for d in g]
+      far += [len(g) - node.count(n) for n in node]
+    return col.bytes_sent / (col.group_size - 1) * sum(far) / len(far)
   k = max(nodes_in_group(g, mesh_shape, intra_axes) for g in col.groups)
   return 0.0 if k <= 1 else col.bytes_sent * k / col.group_size
 
