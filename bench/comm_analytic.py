@@ -1,20 +1,46 @@
 """The analytic side of bench/comm_volume.py: bytes per device per step of
-each method, from the parameter shapes alone (ring formulas of
-`scape_jax.analysis.cost`; design note section 3 and docs/design.md)."""
+each method, from the parameter shapes alone (design note section 3 and
+docs/design.md). It shares no code with what it checks: the ring formulas,
+the chunking, k and the mask encodings are written out here from the
+documented rules, not taken from `scape_jax.analysis` or `comm.masks`."""
 
 import fractions
 import math
-
-from scape_jax import analysis
-from scape_jax.comm import masks
 
 RADIUS_INTERVAL = 200  # T (paper).
 DEMO_CHUNK = 64  # DeMo's chunk side (paper: s = 64).
 
 
+def _all_reduce(nbytes: float, n: int) -> float:
+  """Bytes one device sends in a ring all-reduce of `nbytes`."""
+  return 2 * (n - 1) / n * nbytes
+
+
+def _all_gather(nbytes: float, n: int) -> float:
+  """... in a ring all-gather of an `nbytes` output (also a reduce-scatter
+  of an `nbytes` input, and an all-to-all of `nbytes`)."""
+  return (n - 1) / n * nbytes
+
+
 def dense_bytes(params: int, n: int) -> float:
   """Dense AdamW/AdamS: one ring all-reduce of every fp32 gradient."""
-  return analysis.ring_all_reduce_bytes(4 * params, n)
+  return _all_reduce(4 * params, n)
+
+
+def _mask_words(c: int, k: int, encoding: str, offset_bits) -> tuple:
+  """(encoding, 32-bit words) of one chunk mask of k entries out of c
+  (docs/design.md, "Chunks" and "Offsets in 16 bits"): a bitmap of
+  ceil(c/32) words, k int32 offsets, or ceil(k/2) 16-bit offsets and
+  ceil(c/65536) - 1 sub-block ends; the fewest words among those allowed,
+  in that order on ties."""
+  words = {'bitmap': -(-c // 32), 'indices': k,
+           'indices16': -(-k // 2) + -(-c // 65536) - 1}
+  offsets = {'32': ('indices',), '16': ('indices16',),
+             'auto': ('indices', 'indices16')}[str(offset_bits)]
+  allowed = {'bitmap': ('bitmap',), 'indices': offsets,
+             'auto': ('bitmap',) + offsets}[encoding]
+  best = min(allowed, key=lambda e: words[e])
+  return best, words[best]
 
 
 def scape_bytes(shapes, n: int, density: float, encoding: str,
@@ -46,22 +72,22 @@ def scape_bytes(shapes, n: int, density: float, encoding: str,
     size = math.prod(shape)
     enc = None
     if len(shape) >= 2:
-      lay = masks.LeafLayout.create(size, n)
-      k = masks.chunk_k(density, lay.chunk_size)
-      if k < lay.chunk_size:  # Sparse: N chunks of k values, plus the mask.
-        enc = lay.encoding(k, encoding, offset_bits)
-        words += lay.mask_words(k, encoding, offset_bits)
+      c = -(-size // n)  # a chunk, padding included
+      k = _top_k(density, c)
+      if k < c:  # Sparse: N chunks of k values, plus the mask.
+        enc, w = _mask_words(c, k, encoding, offset_bits)
+        words += w
       if half:  # Every compressed leaf's values go half width.
-        narrow += n * (k if enc else lay.chunk_size)
+        narrow += n * (k if enc else c)
       elif enc:
         values += n * k
     if enc is None and not (half and len(shape) >= 2):
       values += size  # Dense leaf (or k == chunk): every element.
     per_leaf.append(enc)
-  reduce = analysis.ring_all_reduce_bytes(4 * values, n)
-  alltoall = analysis.ring_reduce_scatter_bytes(2 * narrow, n)
-  gather = analysis.ring_all_gather_bytes(2 * narrow, n)
-  mask = analysis.ring_all_gather_bytes(4 * words * n, n) if words else 0.0
+  reduce = _all_reduce(4 * values, n)
+  alltoall = _all_gather(2 * narrow, n)
+  gather = _all_gather(2 * narrow, n)
+  mask = _all_gather(4 * words * n, n) if words else 0.0
   payload = reduce + alltoall + gather
   return {'payload_values': values + narrow, 'mask_words': words,
           'payload_bytes': payload, 'mask_bytes': mask,
@@ -103,8 +129,8 @@ def radius_bytes(shapes, n: int, density: float, index_radius: int = 0,
     total += size
     slots = min(size, _top_k(density, size) * (2 * index_radius + 1))
     values += slots if len(shape) >= 2 and slots < size else size
-  dense = analysis.ring_all_reduce_bytes(4 * total, n)
-  sparse = analysis.ring_all_reduce_bytes(4 * values, n)
+  dense = _all_reduce(4 * total, n)
+  sparse = _all_reduce(4 * values, n)
   return {'dense': dense, 'resample': dense, 'sparse': sparse,
           'sparse_values': values,
           'period': ((interval - 1) * sparse + dense) / interval}
@@ -134,7 +160,7 @@ def demo_bytes(shapes, n: int, topk: int, chunk: int = DEMO_CHUNK) -> dict:
     entries += count
     per_worker += count * (4 + index)
   return {'worker_bytes': per_worker, 'entries': entries,
-          'bytes': analysis.ring_all_gather_bytes(n * per_worker, n)}
+          'bytes': _all_gather(n * per_worker, n)}
 
 
 def resolved_name(resolved) -> str:

@@ -53,6 +53,29 @@ def test_scape_bytes_auto_picks_offsets_and_density_one_is_dense():
   assert dense['bytes'] == pytest.approx(cv.dense_bytes(2048 + 7, 2))
 
 
+@pytest.mark.parametrize('encoding, offset_bits', [
+    ('auto', 32), ('auto', 16), ('auto', 'auto'), ('bitmap', 32),
+    ('indices', 32), ('indices', 16), ('indices', 'auto')])
+def test_analytic_masks_agree_with_the_library(encoding, offset_bits):
+  """The analytic side computes k, the chunks and the mask encodings itself
+  (it shares no code with what it checks); they agree with comm.masks on
+  leaves up to two 16-bit sub-blocks per chunk."""
+  from scape_jax.comm import masks  # pylint: disable=g-import-not-at-top
+  for size in (15, 1000, 4096, 131_072, 1_000_003):
+    for n in (1, 3, 8):
+      for density in (0.001, 0.01, 0.03, 0.1, 0.5):
+        lay = masks.LeafLayout.create(size, n)
+        k = masks.chunk_k(density, lay.chunk_size)
+        got = cv.scape_bytes([(size, 1)], n, density, encoding, 'float32',
+                             offset_bits)
+        if k == lay.chunk_size:
+          assert got['per_leaf'] == (None,)
+          continue
+        assert got['payload_values'] == n * k
+        assert got['per_leaf'] == (lay.encoding(k, encoding, offset_bits),)
+        assert got['mask_words'] == lay.mask_words(k, encoding, offset_bits)
+
+
 def test_measured_llama_tiny_matches_analytic():
   cfg = cv.make_config('llama-tiny', 8, 'scape', 0.01, 'auto')
   m = cv.measure(cfg)
