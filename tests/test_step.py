@@ -45,6 +45,39 @@ def test_local_gradients_are_per_worker_and_accumulate(micro_batches):
                                rtol=1e-5, atol=1e-6)
 
 
+def test_bf16_gradients_are_accumulated_in_fp32():
+  """bf16 parameters, 8 micro-batches: the mean of the parts' bf16
+  gradients summed exactly (NumPy, float64), then rounded once to bf16. A
+  bf16 running sum rounded at every part (what the step did) is farther."""
+  mesh = jax.make_mesh((1,), ('data',), devices=jax.devices()[:1])
+  rng = np.random.default_rng(0)
+  w = jnp.asarray(rng.normal(size=(16, 8)), jnp.bfloat16)
+  x = rng.normal(size=(64, 16)).astype(np.float32)
+  y = rng.normal(size=(64, 8)).astype(np.float32)
+
+  def loss(params, batch):
+    pred = batch['inputs'].astype(jnp.bfloat16) @ params['w']
+    return jnp.mean((pred.astype(jnp.float32) - batch['targets'])**2)
+
+  def body(params, batch):
+    return step_lib.local_value_and_grad(loss, params, batch, 8)[1]['w'][None]
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P('data')),
+                             out_specs=P('data')))
+  batch = jax.device_put({'inputs': x, 'targets': y},
+                         NamedSharding(mesh, P('data')))
+  got = np.asarray(fn(jax.device_put({'w': w}, NamedSharding(mesh, P())),
+                      batch))[0]
+  assert got.dtype == jnp.bfloat16
+  grad = jax.jit(jax.grad(loss))
+  parts = [np.asarray(grad({'w': w}, {
+      'inputs': x[8 * i:8 * i + 8], 'targets': y[8 * i:8 * i + 8]})['w'],
+                      np.float64) for i in range(8)]
+  exact = np.asarray(np.sum(parts, axis=0) / 8).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(got.astype(np.float32),
+                                exact.astype(np.float32))
+
+
 # ----------------------------------------------------------------------------
 # The non-finite guard.
 

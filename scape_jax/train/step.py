@@ -37,7 +37,8 @@ def local_value_and_grad(loss_fn, params, batch, micro_batches: int = 1,
                          batch_axes: Sequence[str] = (DATA,)):
   """This worker's mean loss and gradient over `micro_batches` sequential parts.
 
-  Inside `shard_map`. Accumulation happens locally in fp32; no collective
+  Inside `shard_map`. Accumulation happens locally in fp32 (the mean goes
+  on in the parameters' dtype, as one part's gradient would); no collective
   runs inside the loop other than those of `loss_fn` itself.
 
   Args:
@@ -57,12 +58,17 @@ def local_value_and_grad(loss_fn, params, batch, micro_batches: int = 1,
 
   def accumulate(carry, part):
     loss, grads = grad_fn(local, part)
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
     return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
   zero = varying(jnp.zeros([], jnp.float32), batch_axes)
-  init = (zero, jax.tree.map(jnp.zeros_like, local))
+  init = (zero, jax.tree.map(lambda x: jnp.zeros_like(x, jnp.float32),
+                             local))
   (loss, grads), _ = jax.lax.scan(accumulate, init, parts)
-  return jax.tree.map(lambda x: x / micro_batches, (loss, grads))
+  # The mean in fp32, handed on in the parameters' dtype (as one part's).
+  grads = jax.tree.map(lambda g, p: (g / micro_batches).astype(p.dtype),
+                       grads, local)
+  return loss / micro_batches, grads
 
 
 def _non_finite_count(tree) -> jax.Array:
