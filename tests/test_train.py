@@ -149,6 +149,20 @@ def test_dry_run_reports_memory_without_allocating(corpus, tmp_path, capsys):
     trainer.build_program(cfg)
 
 
+def test_dry_run_reports_the_program_most_steps_run(corpus, tmp_path):
+  """Radius with T = 10: the sparse step's bytes whatever the parity of
+  steps (it compiled the update after the last step, a resample at 99)."""
+  reports = [trainer.dry_run(_cfg(
+      corpus, tmp_path, '--config.optimizer.name=radius',
+      '--config.optimizer.radius.interval=10', f'--config.steps={steps}'))
+             for steps in (99, 100)]
+  assert [r['steady_program'] for r in reports] == [
+      {'step_kind': 'sparse'}] * 2
+  assert reports[0]['comm_bytes_per_step'] == reports[1][
+      'comm_bytes_per_step']
+  assert reports[1]['steady_steps'] == 100 - 19 - 9  # dense 1-19, 9 resamples
+
+
 @pytest.mark.parametrize('override, message', [
     ('--config.data.batch_size=12', 'not divisible by the 8'),
     ('--config.data.micro_batches=3', 'data.micro_batches=3'),

@@ -428,16 +428,31 @@ def _cpu_twin(cfg: Config, platform: str) -> tuple:
                 'TPU only)')
 
 
+def steady_count(program: Program) -> tuple:
+  """(count, static args, steps that run it): the first update of the
+  program that runs most of the run's steps (SCAPE's final density,
+  Radius's sparse step, DiLoCo's inner step); the later one on a tie."""
+  runs = {}
+  for count in range(program.cfg.steps):
+    key = tuple(sorted(program.method.update_kwargs(count).items()))
+    first, n = runs.get(key, (count, 0))
+    runs[key] = first, n + 1
+  key = max(runs, key=lambda k: (runs[k][1], runs[k][0]))
+  return runs[key][0], dict(key), runs[key][1]
+
+
 def dry_run(cfg: Config, devices=None) -> dict:
-  """Compiles the steady-state train step from abstract shapes only."""
+  """Compiles the steady-state train step (the program most steps run,
+  `steady_count`) from abstract shapes only."""
   devices = jax.devices() if devices is None else devices
   cfg, note = _cpu_twin(cfg, devices[0].platform)
   program = build_program(cfg, devices)
   if note:
     program = dataclasses.replace(program, notes=program.notes + (note,))
   print_notes(program)
-  traced = program.trace_step(cfg.steps)
-  compiled = program.compile_step(cfg.steps, traced)
+  count, static, runs = steady_count(program)
+  traced = program.trace_step(count)
+  compiled = program.compile_step(count, traced)
   cols = analysis.collectives_from_hlo(compiled.as_text())
   report = {
       'preset': model_name(cfg),
@@ -445,12 +460,18 @@ def dry_run(cfg: Config, devices=None) -> dict:
       'params': param_count(program),
       'workers': program.n_workers,
       'comm_bytes_per_step': analysis.bytes_sent(cols),
+      'steady_program': static,
+      'steady_steps': runs,
   }
   report.update(memory_report(program, traced, compiled))
   shape = ' '.join(f'{k}={v}' for k, v in program.mesh.shape.items())
   print(f'model {model_name(cfg)}: {report["params"]:,} parameters; '
         f'optimizer {cfg.optimizer.name}; mesh {shape}')
   _print_memory(report)
+  if static:
+    print(f'collectives of the train step ('
+          f'{", ".join(f"{k}={v}" for k, v in static.items())}: {runs:,} of '
+          f'the {cfg.steps:,} steps), per device per step:')
   print(analysis.format_table(cols))
   return report
 
