@@ -56,6 +56,9 @@ def test_config_changes_by_kind():
   safe = dict(saved, log_every=1, ckpt_every=5)
   assert set(resume.check_config(saved, safe, 'ckpt 5', False)) == {
       'log_every', 'ckpt_every'}
+  # Another eval set: the eval losses would not compare; the flag records it.
+  with pytest.raises(config_lib.ConfigError, match='eval_batches: 8 -> 2'):
+    resume.check_config(saved, dict(saved, eval_batches=2), 'ckpt 5', False)
 
 
 @pytest.mark.parametrize('override, key', [

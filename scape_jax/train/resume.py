@@ -38,7 +38,9 @@ from scape_jax.train.checkpoint import CheckpointError, Checkpointer
 from scape_jax.train.checkpoint import CorruptCheckpointError
 
 # Keys that change neither the state nor the numbers of the run.
-RESUME_SAFE_KEYS = ('log_every', 'eval_every', 'eval_batches', 'ckpt_every',
+# (Not eval_batches: the eval set changes with it, so the eval losses
+# before and after a change would not compare; it needs the flag.)
+RESUME_SAFE_KEYS = ('log_every', 'eval_every', 'ckpt_every',
                     'keep_checkpoints',
                     'max_bad_steps', 'out_dir', 'data.data_dir', 'model.remat',
                     # Where SCAPE's state lives, and its layout (converted on

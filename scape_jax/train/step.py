@@ -114,8 +114,11 @@ def make_train_step(apply_fn: Callable[[Any, jax.Array], jax.Array],
 
   Returns:
     A jitted function; params and optimizer state are donated. Its metrics
-    are `loss`, `grad_norm` and `skipped` (1.0 when the update was not
-    applied because something was not finite, else 0.0).
+    are `loss`, `grad_norm` (the RMS over the workers of each one's *local*
+    gradient norm, not the norm of the mean gradient that a clip compares:
+    that would cost a dense all-reduce; it grows with the workers' noise,
+    so compare it only between runs of one mesh) and `skipped` (1.0 when
+    the update was not applied because something was not finite, else 0.0).
   """
   update_kwargs = update_kwargs or {}
   batch_axes = layout.batch_axes
