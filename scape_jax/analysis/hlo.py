@@ -202,6 +202,11 @@ def _parse_instr(line: str) -> _Instr | None:
                 line.lstrip().startswith('ROOT'))
 
 
+def _operand_name(text: str) -> str:
+  """The instruction an operand text names ('%x' or 'f32[8] %x': 'x')."""
+  return text.rsplit(None, 1)[-1].lstrip('%')
+
+
 def _attr_value(attrs: str, key: str) -> str | None:
   """Raw value of `key=` in an attribute string (bracket-balanced)."""
   m = re.search(r'\b' + re.escape(key) + r'=', attrs)
@@ -334,7 +339,7 @@ class _Module:
     for c in self.comps.values():
       for i in c:
         for text in i.operands:
-          self.users[text.rsplit(None, 1)[-1].lstrip('%')].append(i)
+          self.users[_operand_name(text)].append(i)
     self._counts: dict[str, tuple[int | None, frozenset[str]]] = {}
     # callee -> [(caller, edge kind, trip count)]
     self.callers = collections.defaultdict(list)
@@ -420,8 +425,7 @@ def _called(mod: _Module, ins: _Instr) -> list[_Instr]:
 
 
 def _dtype_of(mod: _Module, operand: str) -> str | None:
-  leaves = _leaves(mod.shapes.get(operand.rsplit(None, 1)[-1].lstrip('%'),
-                                  operand))
+  leaves = _leaves(mod.shapes.get(_operand_name(operand), operand))
   return leaves[0][0] if len(leaves) == 1 else None
 
 
@@ -436,7 +440,7 @@ def _converted_from(mod: _Module, ins: _Instr | None) -> str | None:
     body = {i.name: i for i in _called(mod, ins)}
     ins = next((i for i in body.values() if i.root), None)
     while ins is not None and ins.opcode in _MOVES and ins.operands:
-      ins = body.get(ins.operands[0].rsplit(None, 1)[-1].lstrip('%'))
+      ins = body.get(_operand_name(ins.operands[0]))
   if ins is None or ins.opcode != 'convert' or len(ins.operands) != 1:
     return None
   return _dtype_of(mod, ins.operands[0])
@@ -461,8 +465,8 @@ def _widened_from(mod: _Module, ins: _Instr, base: str, dtype: str
   that from a program that converts to f32 itself before it gathers (none
   here does), and such a program is priced at the narrow type too.
   """
-  before = [_converted_from(mod, mod.instrs.get(
-      t.rsplit(None, 1)[-1].lstrip('%'))) for t in ins.operands]
+  before = [_converted_from(mod, mod.instrs.get(_operand_name(t)))
+            for t in ins.operands]
   if base in ('all-reduce', 'reduce-scatter'):
     if not (_attr_value(ins.attrs, 'to_apply') or '').endswith('_promoted'):
       return [None] * len(ins.operands)
