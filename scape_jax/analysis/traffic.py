@@ -83,20 +83,24 @@ def level(col: Collective, mesh_shape: MeshShape,
   return 'intra' if set(spanned) <= set(intra_axes) else 'inter'
 
 
+def _node(device: int, mesh_shape: MeshShape,
+          intra_axes: Sequence[str]) -> tuple:
+  """A device's node: its index on every axis that is not intra-node."""
+  return tuple(v for k, v in _coords(device, mesh_shape).items()
+               if k not in intra_axes)
+
+
 def nodes_in_group(group: Sequence[int], mesh_shape: MeshShape,
                    intra_axes: Sequence[str]) -> int:
-  """How many nodes a group's members sit on (a node = one index on every
-  axis that is not intra-node)."""
-  keys = {tuple(v for k, v in _coords(d, mesh_shape).items()
-                if k not in intra_axes) for d in group}
-  return len(keys)
+  """How many nodes a group's members sit on."""
+  return len({_node(d, mesh_shape, intra_axes) for d in group})
 
 
 def boundary_bytes(col: Collective, mesh_shape: MeshShape,
                    intra_axes: Sequence[str]) -> float:
   """Bytes crossing node boundaries per device per call, on average, for a
   topology-aware ring (module doc)."""
-  if col.groups is None or col.group_size <= 1 or not col.groups:
+  if not col.groups or col.group_size <= 1:
     return 0.0
   if col.kind == 'collective-permute':  # each pair: S from source to target
     crossing = sum(nodes_in_group(p, mesh_shape, intra_axes) > 1
@@ -105,8 +109,7 @@ def boundary_bytes(col: Collective, mesh_shape: MeshShape,
   if col.kind == 'all-to-all':  # S/N to each peer; those on other nodes
     far = []
     for g in col.groups:
-      node = [tuple(v for k, v in _coords(d, mesh_shape).items()
-                    if k not in intra_axes) for d in g]
+      node = [_node(d, mesh_shape, intra_axes) for d in g]
       far += [len(g) - node.count(n) for n in node]
     return col.bytes_sent / (col.group_size - 1) * sum(far) / len(far)
   k = max(nodes_in_group(g, mesh_shape, intra_axes) for g in col.groups)
