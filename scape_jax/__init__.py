@@ -23,6 +23,7 @@ from scape_jax.optim import adams
 from scape_jax.optim import compress_except
 from scape_jax.optim import demo
 from scape_jax.optim import demo_stats
+from scape_jax.optim import interleave_chunks
 from scape_jax.optim import radius
 from scape_jax.optim import radius_stats
 from scape_jax.optim import scale_by_adams
@@ -52,6 +53,7 @@ __all__ = [
     'demo',
     'demo_stats',
     'init_sharded',
+    'interleave_chunks',
     'place',
     'pmean_gradients',
     'radius',

@@ -66,6 +66,9 @@ def test_config_changes_by_kind():
     ('--config.seed=1', 'seed: 0 -> 1'),
     ('--config.data.batch_size=16', 'data.batch_size: 32 -> 16'),
     ('--config.mesh.fsdp=2', 'mesh.fsdp: 1 -> 2'),
+    # The same shapes, but SCAPE's state holds the embedding reordered.
+    ('--config.optimizer.scape.interleaved_leaves=embed_tokens',
+     "optimizer.scape.interleaved_leaves: '' -> 'embed_tokens'"),
 ])
 def test_structural_changes_are_refused_even_with_the_flag(override, key):
   saved = config_lib.to_dict(config_lib.load(None, [
@@ -159,7 +162,8 @@ _OTHER_VALUE = {
                   offload_kind='unpinned_host', distributed=True,
                   fp32_replica=False,
                   payload_dtype='bfloat16', offset_bits='16',
-                  variant='local_adam', dense_leaves='embed_tokens'),
+                  variant='local_adam', dense_leaves='embed_tokens',
+                  interleaved_leaves='embed_tokens'),
     'radius': dict(density=0.25, interval=5, dense_fraction=0.3,
                    index_radius=1, select='sort'),
     'demo': dict(beta=0.9, chunk=32, topk=8),

@@ -124,6 +124,32 @@ def test_dense_leaves_are_reduced_whole(corpus, tmp_path):
     reduced('--config.optimizer.scape.dense_leaves=embeding')
 
 
+def test_interleaved_leaves_send_the_same_collectives(corpus, tmp_path):
+  """optimizer.scape.interleaved_leaves only reorders entries inside the
+  step: the compiled step's collectives are the same, kind by kind and
+  element by element; a part matching no parameter, or Algorithm 2, is
+  refused by name."""
+
+  def collectives(*overrides):
+    program = trainer.build_program(_cfg(
+        corpus, tmp_path, '--config.optimizer.name=scape',
+        '--config.optimizer.scape.density=0.01', '--config.steps=10',
+        *overrides))
+    return [(c.kind, c.elements) for c in
+            analysis.collectives_from_hlo(program.compile_step(5).as_text())]
+
+  key = '--config.optimizer.scape.interleaved_leaves='
+  assert collectives(key + 'embed_tokens') == collectives()
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"interleaved_leaves: \['embeding'\] match no"):
+    collectives(key + 'embeding')
+  with pytest.raises(config_lib.ConfigError,
+                     match="interleaved_leaves='embed_tokens': Algorithm 1 "
+                     'only'):
+    collectives(key + 'embed_tokens',
+                '--config.optimizer.scape.distributed=true')
+
+
 def test_dense_train_step_reduces_every_parameter(corpus, tmp_path):
   program = trainer.build_program(_cfg(corpus, tmp_path, '--config.steps=2'))
   cols = analysis.collectives_from_hlo(program.compile_step(1).as_text())

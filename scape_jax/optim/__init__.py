@@ -13,6 +13,7 @@ from scape_jax.optim._demo import ScaleByDemoState
 from scape_jax.optim._demo import demo
 from scape_jax.optim._demo import demo_stats
 from scape_jax.optim._demo import scale_by_demo
+from scape_jax.optim._interleave import interleave_chunks
 from scape_jax.optim._radius import RadiusSchedule
 from scape_jax.optim._radius import ScaleByRadiusState
 from scape_jax.optim._radius import radius
@@ -36,7 +37,7 @@ __all__ = [
     'DensitySchedule', 'Fp32ReplicaState', 'RadiusSchedule',
     'ScaleByAdamSState', 'ScaleByDemoState', 'ScaleByRadiusState',
     'ScaleByScapeDistState', 'ScaleByScapeState', 'adams', 'compress_except',
-    'demo', 'demo_stats',
+    'demo', 'demo_stats', 'interleave_chunks',
     'dist_to_scape', 'radius', 'radius_stats', 'scale_by_adams',
     'scale_by_demo', 'scale_by_radius', 'scale_by_scape', 'scale_by_scape_dist',
     'scape', 'scape_dist', 'scape_dist_stats', 'scape_stats', 'scape_to_dist',

@@ -241,14 +241,27 @@ def compress_except(parts: Sequence[str], where: str = 'compress_except'):
   one of `parts` (e.g. 'embed_tokens'); None (the default) if `parts` holds
   no non-empty string. A part that matches no leaf is a ValueError naming
   it and `where`."""
+  named = leaves_named(parts, where)
+  if named is None:
+    return None
+
+  def compress(tree):
+    return jax.tree.map(lambda x, n: x.ndim >= 2 and x.size > 0 and not n,
+                        tree, named(tree))
+
+  return compress
+
+
+def leaves_named(parts: Sequence[str], where: str):
+  """A callable tree -> tree of bools: True where the leaf's path
+  (`jax.tree_util.keystr`) contains one of `parts`; None if `parts` holds no
+  non-empty string. A part that matches no leaf is a ValueError naming it
+  and `where`."""
   parts = [p.strip() for p in parts if p.strip()]
   if not parts:
     return None
 
-  def leaves_not_in(path) -> bool:
-    return not any(p in jax.tree_util.keystr(path) for p in parts)
-
-  def compress(tree):
+  def named(tree):
     paths = [jax.tree_util.keystr(path) for path, _ in
              jax.tree_util.tree_flatten_with_path(tree)[0]]
     unmatched = [p for p in parts if not any(p in path for path in paths)]
@@ -256,7 +269,7 @@ def compress_except(parts: Sequence[str], where: str = 'compress_except'):
       raise ValueError(f'{where}: {unmatched} match no parameter path; the '
                        f'paths are {paths}')
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: x.ndim >= 2 and x.size > 0 and leaves_not_in(path),
+        lambda path, x: any(p in jax.tree_util.keystr(path) for p in parts),
         tree)
 
-  return compress
+  return named

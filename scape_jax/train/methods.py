@@ -32,6 +32,7 @@ from scape_jax import outer as outer_lib
 from scape_jax.comm import collectives
 from scape_jax.optim import _adams as adams_lib
 from scape_jax.optim import _demo as demo_lib
+from scape_jax.optim import _interleave as interleave_lib
 from scape_jax.optim import _radius as radius_lib
 from scape_jax.optim import _replica as replica_lib
 from scape_jax.optim import _scape as scape_lib
@@ -268,19 +269,19 @@ class ScapeConfig:
   offload_kind: str = sharding_memory.HOST  # Its memory kind when offloaded.
   # Distributed-optimizer mode (Algorithm 2): m split over the workers.
   distributed: bool = False
-  # An fp32 copy of the parameters in the state, authoritative (offloaded
-  # with offload=True); the step's parameters (model.param_dtype, e.g.
-  # bfloat16) are its cast.
+  # An authoritative fp32 copy of the parameters in the state (offloaded with
+  # offload=True); the step's parameters (model.param_dtype) are its cast.
   fp32_replica: bool = False
   # Payload values on the wire: 'float32', 'bfloat16' or 'float16'.
   payload_dtype: str = 'float32'
   offset_bits: str = '32'  # Offsets on the wire: '32', '16' or 'auto'.
-  # 'faithful' (Alg. 1) or another of `optim._scape_variants.VARIANTS`
-  # (docs/design.md).
+  # 'faithful' (Alg. 1) or one of `optim._scape_variants.VARIANTS` (design).
   variant: str = 'faithful'
-  # Comma-separated parts of parameter paths whose leaves are sent whole
-  # every step, as norms and biases are (e.g. 'embed_tokens'); '': none.
+  # Comma-separated parts of parameter paths (e.g. 'embed_tokens'), '' none:
+  # leaves sent whole every step, as norms and biases are; leaves whose
+  # entries are dealt round-robin over the chunks (optim._interleave, Alg. 1).
   dense_leaves: str = ''
+  interleaved_leaves: str = ''
 
 
 def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
@@ -288,9 +289,11 @@ def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
                                        section.density_warmup_steps,
                                        section.density_levels)
   alias = scape_dist_lib.scape_dist if section.distributed else scape_lib.scape
-  if section.distributed and section.variant != 'faithful':
-    raise ValueError(f'scape: variant={section.variant!r} is for Algorithm 1; '
-                     'distributed=True allows only variant=\'faithful\'.')
+  if section.distributed and (section.variant != 'faithful' or
+                              section.interleaved_leaves.strip(', ')):
+    raise ValueError(f'scape: variant={section.variant!r}, interleaved_leaves='
+                     f'{section.interleaved_leaves!r}: Algorithm 1 only; with '
+                     "distributed=True only 'faithful' and '' are allowed.")
   variant = {} if section.distributed else {'variant': section.variant}
   tx = alias(
       lr, density=schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
@@ -300,6 +303,8 @@ def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
           section.dense_leaves.split(','), 'optimizer.scape.dense_leaves'),
       mask_encoding=section.mask_encoding,
       select=section.select, **_wire_options(section), **variant)
+  tx = interleave_lib.interleave_named(tx, section.interleaved_leaves,
+                                      ctx.axis_name)
   if section.fp32_replica:
     tx = replica_lib.with_fp32_replica(tx)
   kinds = (functools.partial(sharding_memory.offload_memory_kinds,

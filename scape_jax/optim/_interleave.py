@@ -1,0 +1,112 @@
+"""Chunks dealt round-robin: every worker's chunk a strided sample of a leaf.
+
+SCAPE splits each flattened leaf into N contiguous chunks and takes exactly
+k entries from each (scape.md, "Canonical partitioned mask"). Where a leaf's
+activity is not spread evenly along its row-major order, contiguous chunks
+spend their k unevenly. The clearest case is an input embedding of
+[vocab, d_model]: its rows are contiguous, a row has a gradient only when its
+token is in the batch, and token ids are not random. On a byte vocabulary
+over English text, the 95 printable ASCII rows sit in chunks 1 to 3 of 8;
+chunks 4 to 7 (bytes 128-255) never have a gradient, and their k entries a
+step are spent on zeros while the letters' chunks wait.
+
+`interleave_chunks(tx)` runs `tx` on each leaf with its entries reordered so
+that contiguous chunk n of the reordered leaf holds entries n, n + N,
+n + 2N, ... of the original: the first N * (size // N) entries are dealt
+round-robin (`interleave`), the last size % N stay where they are. The
+updates `tx` returns are put back in the original order (`deinterleave`).
+Leaves keep their shapes, so every buffer, collective and byte on the wire
+is `tx`'s; only which entries share a chunk changes. `tx`'s state holds its
+per-entry arrays in the reordered layout (so a checkpoint of one order does
+not resume under the other).
+
+This is only valid where `tx`'s state is replicated or per worker
+(Algorithm 1 and its variants): under Algorithm 2 the chunks are also the
+optimizer shards and the parameter all-gather's layout, which the trainer
+does not reorder (`train.methods` refuses the combination).
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from scape_jax.comm.axes import DATA
+from scape_jax.optim import _common
+
+
+def interleave(x: jax.Array, num_chunks: int) -> jax.Array:
+  """Entry n + N j of the first N * (size // N) entries to position
+  n * (size // N) + j; the rest, and the shape, unchanged."""
+  return _deal(x, num_chunks, inverse=False)
+
+
+def deinterleave(x: jax.Array, num_chunks: int) -> jax.Array:
+  """The inverse of `interleave`."""
+  return _deal(x, num_chunks, inverse=True)
+
+
+def _deal(x: jax.Array, num_chunks: int, inverse: bool) -> jax.Array:
+  q = x.size // num_chunks
+  if num_chunks == 1 or q == 0:
+    return x
+  flat = x.reshape(-1)
+  rows = (num_chunks, q) if inverse else (q, num_chunks)
+  head = flat[:q * num_chunks].reshape(rows).T.reshape(-1)
+  return jnp.concatenate([head, flat[q * num_chunks:]]).reshape(x.shape)
+
+
+def interleave_chunks(
+    tx: optax.GradientTransformation, axis_name=DATA,
+    mask=None) -> optax.GradientTransformationExtraArgs:
+  """Runs `tx` with each leaf's entries dealt round-robin over N chunks.
+
+  Args:
+    tx: a transformation that chunks each leaf over the N workers of
+      `axis_name` (e.g. `scape(...)`, Algorithm 1 or a variant), with
+      replicated or per-worker state.
+    axis_name: the data-parallel axis `tx` exchanges over (N is its size),
+      or None for one worker (no reordering).
+    mask: as optax's: a tree of bools, or a callable params -> that tree,
+      True on the leaves to reorder; None (the default) reorders every leaf.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` whose state is `tx`'s (its
+    per-entry arrays in the reordered layout). `update` reorders the
+    updates and `params` for `tx` and puts its updates back; extra keyword
+    arguments go to `tx`.
+
+  References:
+    SCAPE paper, Section IV-A (the partitioned mask); docs/design.md,
+    "Chunk order".
+  """
+  tx = optax.with_extra_args_support(tx)
+
+  def order(where, tree, fn):
+    n, _ = _common.axis_context(where, axis_name)
+    chosen = mask(tree) if callable(mask) else mask
+    if chosen is None:
+      return jax.tree.map(lambda x: fn(x, n), tree)
+    return jax.tree.map(lambda x, c: fn(x, n) if c else x, tree, chosen)
+
+  def init_fn(params):
+    return tx.init(order('interleave_chunks init', params, interleave))
+
+  def update_fn(updates, state, params=None, **extra):
+    where = 'interleave_chunks update'
+    if params is not None:
+      params = order(where, params, interleave)
+    out, state = tx.update(order(where, updates, interleave), state, params,
+                           **extra)
+    return order(where, out, deinterleave), state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def interleave_named(tx: optax.GradientTransformation, parts: str,
+                     axis_name=DATA, where='optimizer.scape.interleaved_leaves'):
+  """`interleave_chunks` on the leaves whose path holds one of the
+  comma-separated `parts` (`_common.leaves_named`: a part that matches no
+  leaf is a ValueError naming it and `where`); `tx` itself if `parts` names
+  none."""
+  named = _common.leaves_named(parts.split(','), where)
+  return tx if named is None else interleave_chunks(tx, axis_name, named)
