@@ -45,13 +45,22 @@ VARIANTS = ('fresh', 'carry', 'carry_v', 'carry_vi', 'stale', 'local',
             'local_adam_meanv', 'local_adam_smoothv', 'local_adam_rotating',
             'local_adam_debiased', 'local_adam_shrunk', 'local_adam_slab',
             'local_adam_tempered', 'local_adam_leaky', 'local_adam_gain',
-            'local_adam_rowshrunk')
+            'local_adam_rowshrunk', 'local_adam_shrunk+il',
+            'local_adam_debiased+il')
+# Study names for a variant with the input embedding's entries dealt
+# round-robin over the chunks (`optimizer.scape.interleaved_leaves`,
+# docs/design.md "Interleaved chunks"): name -> the library's variant.
+INTERLEAVED = {'local_adam_shrunk+il': 'local_adam_shrunk',
+               'local_adam_debiased+il': 'local_adam_debiased'}
 SEEDS = (0, 1)
 
 
 def _scape(density: float, variant: str = 'faithful') -> dict:
-  return {'optimizer.name': 'scape', 'optimizer.scape.density': density,
-          'optimizer.scape.variant': variant}
+  out = {'optimizer.name': 'scape', 'optimizer.scape.density': density,
+         'optimizer.scape.variant': INTERLEAVED.get(variant, variant)}
+  if variant in INTERLEAVED:
+    out['optimizer.scape.interleaved_leaves'] = 'embed_tokens'
+  return out
 
 
 # Methods compared at the grid points: name -> overrides.
@@ -132,7 +141,8 @@ EXTRA_SEED_METHODS = {
                    'local_adam_debiased d=0.1', 'local_adam_debiased d=0.01',
                    'local_adam_shrunk d=0.01',
                    'local_adam_slab d=0.1', 'local_adam_slab d=0.01',
-                   'local_adam_tempered d=0.01', 'local_adam_leaky d=0.01'),
+                   'local_adam_tempered d=0.01', 'local_adam_leaky d=0.01',
+                   'local_adam_shrunk+il d=0.01', 'local_adam_debiased+il d=0.1'),
     ('workers', '1'): ('AdamS', 'local_adam_meanv d=0.01',
                        'local_adam_smoothv d=0.01'),
 }
@@ -145,7 +155,8 @@ MANY_SEEDS = (5, 6, 7, 8, 9)
 MANY_SEED_METHODS = {
     ('base', ''): ('AdamS', 'local_adam_slab d=0.1', 'local_adam_slab d=0.01',
                    'local_adam_debiased d=0.1', 'local_adam_shrunk d=0.01',
-                   'local_adam_tempered d=0.01', 'local_adam_leaky d=0.01'),
+                   'local_adam_tempered d=0.01', 'local_adam_leaky d=0.01',
+                   'local_adam_shrunk+il d=0.01'),
 }
 # Ten more for the best variant at each density on ten seeds, whose means
 # were within their standard error (about 1 point, mostly AdamS's own
@@ -154,7 +165,7 @@ MANY_SEED_METHODS = {
 MORE_SEEDS = tuple(range(10, 20))
 MORE_SEED_METHODS = {
     ('base', ''): ('AdamS', 'local_adam_debiased d=0.1',
-                   'local_adam_shrunk d=0.01'),
+                   'local_adam_shrunk d=0.01', 'local_adam_shrunk+il d=0.01'),
 }
 ALL_SEEDS = SEEDS + EXTRA_SEEDS + MANY_SEEDS + MORE_SEEDS
 

@@ -1,18 +1,27 @@
-"""Which leaves limit SCAPE at density 0.01 (study only).
+"""Which leaves limit SCAPE at density 0.01, and their chunks (study only).
 
-The `make results` setup (the fidelity grid's base point) with the leaves
-whose path contains a part sent whole every step, as norms and biases are
-(`optimizer.scape.dense_leaves`): at more bytes, so these runs are a
-diagnosis, not a method for SCAPE's wire. If sending one group of leaves
-whole closes most of the gap to AdamS, the sparse updates of that group are
-what the gap is made of.
+The `make results` setup (the fidelity grid's base point) with one change to
+a group of leaves:
+- sent whole every step, as norms and biases are
+  (`optimizer.scape.dense_leaves`): at more bytes, so these runs are a
+  diagnosis, not a method for SCAPE's wire. If sending one group of leaves
+  whole closes most of the gap to AdamS, the sparse updates of that group
+  are what the gap is made of;
+- their entries dealt round-robin over the chunks
+  (`optimizer.scape.interleaved_leaves`, `scape_jax.interleave_chunks`): the
+  same collectives and bytes. The input embedding's row is a token, and on
+  the byte vocabulary half of its contiguous chunks hold no token of the
+  corpus (`chunks` prints them).
 
   python bench/fidelity.py grid --only '^base= (AdamS|SCAPE d=0.01|local_adam_shrunk d=0.01)$' --seeds 0,1,2,3,4
   python bench/fidelity_leaves.py run
+  python bench/fidelity_leaves.py chunks
   python bench/fidelity_leaves.py table
 
 Each run is its own process (`fidelity.ensure`), named `leaves_...` in the
-same `--out` as the grid, whose AdamS and all-sparse runs the table uses.
+same `--out` as the grid, whose AdamS and all-sparse runs the table uses; the
+table's rows of the grid's interleaved variants (`fidelity.INTERLEAVED`) are
+the grid's runs.
 """
 
 import argparse
@@ -28,18 +37,28 @@ import fidelity  # puts the repository on sys.path
 import fidelity_report
 import fidelity_variants
 
-# The groups sent whole: name -> optimizer.scape.dense_leaves.
+_WHOLE = 'optimizer.scape.dense_leaves'
+_DEALT = 'optimizer.scape.interleaved_leaves'
+# The changes: name -> overrides. Sent whole (more bytes), or interleaved.
 GROUPS = {
-    'embedding': 'embed_tokens',
-    'embedding and head': 'embed_tokens,lm_head',
-    'head': 'lm_head',
-    'attention': 'self_attn',
-    'MLP': 'mlp',
+    'embedding': {_WHOLE: 'embed_tokens'},
+    'embedding and head': {_WHOLE: 'embed_tokens,lm_head'},
+    'head': {_WHOLE: 'lm_head'},
+    'attention': {_WHOLE: 'self_attn'},
+    'MLP': {_WHOLE: 'mlp'},
+    'every leaf interleaved': {_DEALT: 'embed_tokens,layers,lm_head,norm'},
 }
-# The grid methods (d = 0.01) and the groups run with each by default.
+# The grid methods and the groups run with each by default.
 RUNS = {
     'local_adam_shrunk d=0.01': tuple(GROUPS),
     'SCAPE d=0.01': ('embedding', 'embedding and head'),
+}
+# Table rows that are grid runs: method -> ((change, grid method), ...).
+GRID_ROWS = {
+    'local_adam_shrunk d=0.01': (('embedding interleaved',
+                                  'local_adam_shrunk+il d=0.01'),),
+    'local_adam_debiased d=0.1': (('embedding interleaved',
+                                   'local_adam_debiased+il d=0.1'),),
 }
 
 
@@ -50,9 +69,8 @@ def run_key(method: str, group: str, seed: int) -> str:
 
 def overrides(method: str, group: str, seed: int) -> dict:
   """The grid method's overrides (not its probe: every seed runs `scape`)
-  with the group sent whole."""
-  return dict(fidelity.METHODS[method], seed=seed,
-              **{'optimizer.scape.dense_leaves': GROUPS[group]})
+  with the group's change."""
+  return dict(fidelity.METHODS[method], seed=seed, **GROUPS[group])
 
 
 def run(out: str, methods: tuple, seeds: tuple, hours: float) -> None:
@@ -87,41 +105,85 @@ def _mean_se(values: list) -> str:
 
 
 def table(out: str) -> str:
-  """Markdown: per method and group sent whole, the bytes per step, the
-  gap to AdamS (same seed) per seed and its mean +- standard error, and
-  the mean change against the same method with every leaf sparse."""
+  """Markdown: per method and change (a group sent whole or interleaved),
+  the bytes per step, the gap to AdamS (same seed) per seed and its mean +-
+  standard error, and the mean change against the same method with every
+  leaf sparse in contiguous chunks."""
   base = fidelity_report.load_grid(out).get(('base', ''), {})
   adams = base.get('AdamS', {})
   study = _study_runs(out)
-  lines = ['| method | sent whole | bytes/step | gap to AdamS per seed | '
-           'mean | minus all sparse (points, same seeds) |',
+  lines = ['| method | change | bytes/step | gap to AdamS per seed | '
+           'mean | minus the plain run (points, same seeds) |',
            '|---|---|---|---|---|---|']
-  for method, groups in RUNS.items():
-    sparse = base.get(method, {})
-    rows = [('none (all sparse)', sparse)] + [
-        (g, study.get((method, g), {})) for g in groups]
-    for group, runs in rows:
+  for method in dict.fromkeys((*RUNS, *GRID_ROWS)):
+    plain = base.get(method, {})
+    rows = [('none (all sparse, contiguous)', plain)] + [
+        (_label(g), study.get((method, g), {})) for g in RUNS.get(method, ())
+    ] + [(label, base.get(grid_method, {}))
+         for label, grid_method in GRID_ROWS.get(method, ())]
+    for change, runs in rows:
       seeds = sorted(s for s in runs if s in adams)
       if not seeds:
         continue
       gaps = [fidelity_variants.gap(runs[s], adams[s]) for s in seeds]
       cells = ', '.join(f's{s} {100 * g:+.1f}' for s, g in zip(seeds, gaps))
-      # Seed 0's all-sparse run is the grid's probe, whose bytes include
-      # its diagnostic all-reduce: the bytes of the highest seed's run.
+      # Seed 0's grid runs are the probe's, whose bytes include its
+      # diagnostic all-reduce: the bytes of the highest seed's run.
       nbytes = runs[max(seeds)]['bytes_per_step']
       paired = [100 * (fidelity_variants.gap(runs[s], adams[s]) -
-                       fidelity_variants.gap(sparse[s], adams[s]))
-                for s in seeds if s in sparse]
-      minus = ('-' if runs is sparse or not paired else
-               f'{sum(paired) / len(paired):+.1f} ({len(paired)} seeds)')
-      lines.append(f'| {method} | {group} | {nbytes:,.0f} | {cells} | '
+                       fidelity_variants.gap(plain[s], adams[s]))
+                for s in seeds if s in plain]
+      minus = ('-' if runs is plain or not paired else
+               f'{sum(paired) / len(paired):+.2f} +- '
+               f'{_se(paired):.2f} ({len(paired)} seeds, closer on '
+               f'{sum(p < 0 for p in paired)})')
+      lines.append(f'| {method} | {change} | {nbytes:,.0f} | {cells} | '
                    f'{_mean_se(gaps)} | {minus} |')
+  return '\n'.join(lines)
+
+
+def _label(group: str) -> str:
+  return group if 'interleaved' in group else f'{group} sent whole'
+
+
+def _se(values: list) -> float:
+  if len(values) < 2:
+    return float('nan')
+  mean = sum(values) / len(values)
+  return math.sqrt(sum((v - mean)**2 for v in values) /
+                   (len(values) - 1) / len(values))
+
+
+def chunks(data_dir: str, num_chunks: int) -> str:
+  """Markdown: the input embedding's rows per chunk that hold a token of the
+  training split, and the share of its tokens, with contiguous chunks (rows
+  in order) and interleaved ones (every chunk holds 1/N of every row)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(data_dir, 'meta.json')) as f:
+    meta = json.load(f)
+  tokens = np.fromfile(os.path.join(data_dir, 'train.bin'),
+                       dtype=meta['dtype'])
+  counts = np.bincount(tokens, minlength=meta['vocab_size'])
+  rows = -(-meta['vocab_size'] // num_chunks)
+  lines = [f'Input embedding of {meta["vocab_size"]} rows, {num_chunks} '
+           f'chunks; {int(np.sum(counts > 0))} rows hold a token of '
+           f'{data_dir}/train.bin ({tokens.size:,} tokens).', '',
+           '| chunk | rows (contiguous) | rows with a token | share of the '
+           'tokens | interleaved: rows with a token (1/N of each) |',
+           '|---|---|---|---|---|']
+  for n in range(num_chunks):
+    part = counts[n * rows:(n + 1) * rows]
+    lines.append(f'| {n} | {n * rows}-{n * rows + len(part) - 1} | '
+                 f'{int(np.sum(part > 0))} | {part.sum() / tokens.size:.3f} '
+                 f'| {int(np.sum(counts > 0))} |')
   return '\n'.join(lines)
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('cmd', choices=('run', 'table'))
+  parser.add_argument('cmd', choices=('run', 'table', 'chunks'))
+  parser.add_argument('--data', default='data/shakespeare-byte',
+                      help='prepared corpus (chunks)')
   parser.add_argument('--out', default='runs/fidelity')
   parser.add_argument('--methods', nargs='+', default=tuple(RUNS),
                       choices=tuple(RUNS), help='grid methods to run (run)')
@@ -132,6 +194,8 @@ def main():
   args = parser.parse_args()
   if args.cmd == 'run':
     run(args.out, tuple(args.methods), args.seeds, args.hours)
+  elif args.cmd == 'chunks':
+    print(chunks(args.data, 8))
   else:
     fidelity_report.require_adams(parser, args.out)
     print(table(args.out))

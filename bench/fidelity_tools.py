@@ -31,6 +31,7 @@ from scape_jax.comm.collectives import clip_by_global_norm
 from scape_jax.comm.collectives import pmean_gradients
 from scape_jax.optim import _common
 from scape_jax.optim import _scape as scape_lib
+from scape_jax.optim._interleave import interleave_named
 from scape_jax.optim import scale_by_adams
 from scape_jax.train import methods
 
@@ -364,6 +365,9 @@ def _build_probe_scape(cfg, section, lr, ctx) -> methods.Built:
   """SCAPE (faithful or a variant, from `optimizer.scape`) under the probe."""
   del section
   s = cfg.scape
+  if s.dense_leaves:
+    raise ValueError(f'probe_scape: optimizer.scape.dense_leaves='
+                     f"{s.dense_leaves!r}; the probe allows only ''.")
   schedule = scape_lib.DensitySchedule(s.density, s.density_warmup_steps)
   clip = cfg.clip_norm if cfg.clip_norm > 0 else None
   inner = scape_lib.scale_by_scape(
@@ -375,6 +379,7 @@ def _build_probe_scape(cfg, section, lr, ctx) -> methods.Built:
                   axis_name=ctx.axis_name),
       optax.add_decayed_weights(cfg.weight_decay),
       optax.scale_by_learning_rate(lr))
+  tx = interleave_named(tx, s.interleaved_leaves, ctx.axis_name)
   return methods.Built(tx, lambda step: {'density_level': schedule.level(step)})
 
 

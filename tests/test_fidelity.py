@@ -197,6 +197,10 @@ def test_grid_keys_share_identical_runs_and_every_point_has_adams():
       'name=probe_scape,density=0.1,variant=fresh,seed=0')
   assert keys[(('base', ''), 'SCAPE d=0.01', 1)] == (
       'name=scape,density=0.01,variant=faithful,seed=1')
+  # A '+il' study name is its library variant with the embedding interleaved.
+  assert keys[(('base', ''), 'local_adam_shrunk+il d=0.01', 1)] == (
+      'name=scape,density=0.01,interleaved_leaves=embed_tokens,'
+      'variant=local_adam_shrunk,seed=1')
   for axis, value, _, names in fidelity.POINTS:
     assert 'AdamS' in names and len(fidelity.SEEDS) == 2, (axis, value)
 
@@ -386,3 +390,32 @@ def test_report_refuses_to_replace_results_with_fewer_runs(tmp_path,
     fidelity_report.check_not_fewer(str(out), 99)
   doc.write_text('# Results\n')  # no section yet: nothing to lose
   fidelity_report.check_not_fewer(str(out), 0)
+
+
+def test_probe_interleaves_as_the_trainer_and_refuses_dense_leaves():
+  """`probe_scape` takes `optimizer.scape.interleaved_leaves` as `scape`
+  does (same collectives and bytes as with contiguous chunks) and refuses
+  `dense_leaves` by name instead of ignoring it."""
+  from scape_jax import analysis  # pylint: disable=g-import-not-at-top
+  from scape_jax import train as trainer  # pylint: disable=g-import-not-at-top
+  from scape_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  ft.register_study_methods()
+
+  def build(*overrides):
+    return trainer.build_program(config_lib.load(None, [
+        '--config.model.preset=llama-tiny', '--config.data.seq_len=16',
+        '--config.data.batch_size=16', '--config.steps=10',
+        '--config.optimizer.name=probe_scape',
+        '--config.optimizer.scape.density=0.1', *overrides]))
+
+  def walks(program):
+    return [(c.kind, c.elements) for c in
+            analysis.collectives_from_hlo(program.compile_step(5).as_text())]
+
+  key = '--config.optimizer.scape.'
+  interleaved = build(key + 'interleaved_leaves=embed_tokens')
+  assert interleaved.method.tx.update.__qualname__.startswith(
+      'interleave_chunks.')
+  assert walks(interleaved) == walks(build())
+  with pytest.raises(ValueError, match="dense_leaves='embed_tokens'"):
+    build(key + 'dense_leaves=embed_tokens')
