@@ -142,7 +142,8 @@ EXTRA_SEED_METHODS = {
                    'local_adam_shrunk d=0.01',
                    'local_adam_slab d=0.1', 'local_adam_slab d=0.01',
                    'local_adam_tempered d=0.01', 'local_adam_leaky d=0.01',
-                   'local_adam_shrunk+il d=0.01', 'local_adam_debiased+il d=0.1'),
+                   'local_adam_shrunk+il d=0.01',
+                   'local_adam_debiased+il d=0.1'),
     ('workers', '1'): ('AdamS', 'local_adam_meanv d=0.01',
                        'local_adam_smoothv d=0.01'),
 }

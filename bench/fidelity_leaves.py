@@ -104,14 +104,15 @@ def _mean_se(values: list) -> str:
   return f'{100 * mean:+.1f}% +- {100 * sd / math.sqrt(len(values)):.1f}'
 
 
-def table(out: str) -> str:
+def table(out: str, point: tuple = ('base', '')) -> str:
   """Markdown: per method and change (a group sent whole or interleaved),
   the bytes per step, the gap to AdamS (same seed) per seed and its mean +-
   standard error, and the mean change against the same method with every
-  leaf sparse in contiguous chunks."""
-  base = fidelity_report.load_grid(out).get(('base', ''), {})
+  leaf sparse in contiguous chunks; at the grid's `point` (this study's own
+  runs are of the base point only)."""
+  base = fidelity_report.load_grid(out).get(point, {})
   adams = base.get('AdamS', {})
-  study = _study_runs(out)
+  study = _study_runs(out) if point == ('base', '') else {}
   lines = ['| method | change | bytes/step | gap to AdamS per seed | '
            'mean | minus the plain run (points, same seeds) |',
            '|---|---|---|---|---|---|']
@@ -199,6 +200,8 @@ def main():
   else:
     fidelity_report.require_adams(parser, args.out)
     print(table(args.out))
+    print('\nAt b2 = 0.999 (the grid\'s point `b2=0.999`):\n')
+    print(table(args.out, ('b2', '0.999')))
 
 
 if __name__ == '__main__':

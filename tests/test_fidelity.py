@@ -419,3 +419,20 @@ def test_probe_interleaves_as_the_trainer_and_refuses_dense_leaves():
   assert walks(interleaved) == walks(build())
   with pytest.raises(ValueError, match="dense_leaves='embed_tokens'"):
     build(key + 'dense_leaves=embed_tokens')
+
+
+def test_leaves_study_counts_the_embedding_rows_each_chunk_holds(tmp_path):
+  """`fidelity_leaves.chunks`: per contiguous chunk of the embedding's rows,
+  the rows that hold a token of train.bin and their share of the tokens."""
+  spec = importlib.util.spec_from_file_location(
+      'fidelity_leaves', os.path.join(_BENCH, 'fidelity_leaves.py'))
+  leaves = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(leaves)
+  (tmp_path / 'meta.json').write_text('{"vocab_size": 16, "dtype": "uint16"}')
+  np.array([1, 1, 2, 9, 15, 15, 15, 3], np.uint16).tofile(
+      tmp_path / 'train.bin')
+  rows = [line for line in leaves.chunks(str(tmp_path), 4).splitlines()
+          if line.startswith('| ') and line[2].isdigit()]
+  assert rows == ['| 0 | 0-3 | 3 | 0.500 | 5 |', '| 1 | 4-7 | 0 | 0.000 | 5 |',
+                  '| 2 | 8-11 | 1 | 0.125 | 5 |',
+                  '| 3 | 12-15 | 1 | 0.375 | 5 |']
