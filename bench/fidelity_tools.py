@@ -379,7 +379,8 @@ def _build_probe_scape(cfg, section, lr, ctx) -> methods.Built:
                   axis_name=ctx.axis_name),
       optax.add_decayed_weights(cfg.weight_decay),
       optax.scale_by_learning_rate(lr))
-  tx = interleave_named(tx, s.interleaved_leaves, ctx.axis_name)
+  tx = interleave_named(tx, s.interleaved_leaves, ctx.axis_name,
+                        variant=s.variant)
   return methods.Built(tx, lambda step: {'density_level': schedule.level(step)})
 
 

@@ -1,5 +1,6 @@
 """`interleave_chunks`: SCAPE's chunks as strided samples of each leaf."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -30,14 +31,17 @@ def test_interleave_deals_entries_round_robin(shape, n):
       np.asarray(_interleave.deinterleave(jnp.asarray(y), n)), x)
 
 
-def test_interleaved_scape_matches_numpy_on_the_reordered_leaves():
-  """Algorithm 1 with interleaved chunks equals the NumPy simulation run on
-  the leaves reordered by `_order` (params, m, masks), put back in order."""
+@pytest.mark.parametrize('chosen', [None, ('w1',)])
+def test_interleaved_scape_matches_numpy_on_the_reordered_leaves(chosen):
+  """Algorithm 1 with interleaved chunks (every leaf, or only 'w1' through
+  `mask`) equals the NumPy simulation run on the leaves reordered by
+  `_order` (params, m, masks), put back in order."""
   params = _params()
   n, steps, clip, density = 8, 12, 2.0, 0.1
   grads = _worker_grads(params, n, steps)
   names = sorted(params)
-  order = {k: _order(params[k].size, n) for k in names}
+  order = {k: _order(params[k].size, 1 if chosen and k not in chosen else n)
+           for k in names}
 
   def reorder(k, x):
     return x.reshape(-1)[order[k]]
@@ -48,7 +52,8 @@ def test_interleaved_scape_matches_numpy_on_the_reordered_leaves():
     return out.reshape(params[k].shape)
 
   tx = scape_jax.interleave_chunks(
-      scape_jax.scape(1e-2, density=density, clip_norm=clip))
+      scape_jax.scape(1e-2, density=density, clip_norm=clip),
+      mask=chosen and {k: k in chosen for k in names})
   run = Runner(tx, params, n)
   ref = ScapeReference([reorder(k, params[k]) for k in names],
                        [params[k].ndim >= 2 for k in names], n,
@@ -91,6 +96,32 @@ def test_interleaving_spends_every_chunk_on_live_rows():
   plain = scape_jax.scape(1e-2, density=0.1, weight_decay=0.0)
   assert _sent_nonzero(plain, grads) == 2 * k
   assert _sent_nonzero(_interleave.interleave_chunks(plain), grads) == 8 * k
+
+
+def test_mask_picks_leaves_as_optax_masks_do():
+  """A prefix mask, a callable, and `MaskedNode`s (as inside `optax.masked`):
+  the inner transformation receives the chosen leaves reordered and the
+  others as they are, and the updates come back in order."""
+  x = np.arange(24, dtype=np.float32).reshape(4, 6)
+  tree = {'a': {'x': x, 'y': x + 1}, 'b': optax.MaskedNode(), 'c': x + 2}
+  record = optax.GradientTransformation(lambda p: p, lambda u, s, p=None: (u, u))
+  for mask in ({'a': True, 'b': False, 'c': False},
+               lambda t: jax.tree.map(lambda _: False, t) | {'a': True}):
+    tx = _interleave.interleave_chunks(record, mask=mask)
+
+    def run(t, tx=tx):
+      return tx.update(t, tx.init(t))
+
+    out, seen = jax.vmap(run, axis_name='data')(
+        jax.tree.map(lambda v: np.stack([v] * 4), tree))
+    for path in (('a', 'x'), ('a', 'y')):
+      want = np.asarray(tree[path[0]][path[1]]).ravel()[_order(24, 4)]
+      np.testing.assert_array_equal(
+          np.asarray(seen[path[0]][path[1]][0]).ravel(), want)
+    np.testing.assert_array_equal(seen['c'][0], tree['c'])
+    assert isinstance(seen['b'], optax.MaskedNode)
+    for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(tree)):
+      np.testing.assert_array_equal(got[0], want)
 
 
 def test_interleave_chunks_needs_a_bound_axis():

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+import scape_jax
 from scape_jax import analysis
 from scape_jax.comm import masks
 from scape_jax import train as trainer
@@ -124,30 +125,62 @@ def test_dense_leaves_are_reduced_whole(corpus, tmp_path):
     reduced('--config.optimizer.scape.dense_leaves=embeding')
 
 
-def test_interleaved_leaves_send_the_same_collectives(corpus, tmp_path):
-  """optimizer.scape.interleaved_leaves only reorders entries inside the
-  step: the compiled step's collectives are the same, kind by kind and
-  element by element; a part matching no parameter, or Algorithm 2, is
-  refused by name."""
+def test_interleaved_leaves_reorder_the_named_leaf_on_the_same_wire(
+    corpus, tmp_path):
+  """optimizer.scape.interleaved_leaves=embed_tokens: after one step SCAPE's
+  first moment of the embedding is the plain run's in `interleave`'s order
+  (and the head's is the plain run's); the compiled step's collectives are
+  the same, kind by kind and element by element. A part matching no
+  parameter, Algorithm 2 and a row-prior variant are refused by name."""
+  from scape_jax.optim import _interleave  # pylint: disable=g-import-not-at-top
 
-  def collectives(*overrides):
-    program = trainer.build_program(_cfg(
+  def program(*overrides):
+    return trainer.build_program(_cfg(
         corpus, tmp_path, '--config.optimizer.name=scape',
         '--config.optimizer.scape.density=0.01', '--config.steps=10',
         *overrides))
+
+  def first_moment(prog):
+    params, opt_state = prog.init_state()
+    tokens = np.random.default_rng(0).integers(
+        0, 256, size=(prog.cfg.data.batch_size, prog.cfg.data.seq_len + 1),
+        dtype=np.int32)
+    batch = jax.device_put({'inputs': tokens[:, :-1],
+                            'targets': tokens[:, 1:]}, prog.batch_sharding())
+    _, opt_state, _ = prog.compile_step(0)(params, opt_state, batch)
+    return next(
+        s for s in jax.tree.leaves(opt_state, is_leaf=_is_scape)
+        if _is_scape(s)).mu
+
+  def collectives(prog):
     return [(c.kind, c.elements) for c in
-            analysis.collectives_from_hlo(program.compile_step(5).as_text())]
+            analysis.collectives_from_hlo(prog.compile_step(5).as_text())]
 
   key = '--config.optimizer.scape.interleaved_leaves='
-  assert collectives(key + 'embed_tokens') == collectives()
-  with pytest.raises(config_lib.ConfigError,
-                     match=r"interleaved_leaves: \['embeding'\] match no"):
-    collectives(key + 'embeding')
-  with pytest.raises(config_lib.ConfigError,
-                     match="interleaved_leaves='embed_tokens': Algorithm 1 "
-                     'only'):
-    collectives(key + 'embed_tokens',
-                '--config.optimizer.scape.distributed=true')
+  plain, dealt = program(), program(key + 'embed_tokens')
+  mu_plain, mu_dealt = first_moment(plain), first_moment(dealt)
+  embed = np.asarray(mu_plain['embed_tokens']['embedding'])
+  np.testing.assert_allclose(
+      np.asarray(mu_dealt['embed_tokens']['embedding']),
+      np.asarray(_interleave.interleave(embed, 8)), rtol=1e-6, atol=1e-12)
+  assert not np.allclose(mu_dealt['embed_tokens']['embedding'], embed)
+  np.testing.assert_allclose(np.asarray(mu_dealt['lm_head']['kernel']),
+                             np.asarray(mu_plain['lm_head']['kernel']),
+                             rtol=1e-6, atol=1e-12)
+  assert collectives(dealt) == collectives(plain)
+  for extra, message in [
+      ((key + 'embeding',), r"interleaved_leaves: \['embeding'\] match no"),
+      ((key + 'embed_tokens', '--config.optimizer.scape.distributed=true'),
+       "interleaved_leaves='embed_tokens' with distributed=True"),
+      ((key + 'embed_tokens',
+        '--config.optimizer.scape.variant=local_adam_rowshrunk'),
+       "with variant='local_adam_rowshrunk': its prior per row")]:
+    with pytest.raises(config_lib.ConfigError, match=message):
+      collectives(program(*extra))
+
+
+def _is_scape(x):
+  return isinstance(x, scape_jax.ScaleByScapeState)
 
 
 def test_dense_train_step_reduces_every_parameter(corpus, tmp_path):

@@ -11,15 +11,21 @@ below 128), the rows that occur sit in chunks 0 to 3 of 8; chunks 4 to 7
 never have a gradient, and their k entries a step are spent on zeros while
 the letters' chunks wait (`bench/fidelity_leaves.py chunks`).
 
-`interleave_chunks(tx)` runs `tx` on each leaf with its entries reordered so
-that contiguous chunk n of the reordered leaf holds entries n, n + N,
-n + 2N, ... of the original: the first N * (size // N) entries are dealt
-round-robin (`interleave`), the last size % N stay where they are. The
-updates `tx` returns are put back in the original order (`deinterleave`).
-Leaves keep their shapes, so every buffer, collective and byte on the wire
-is `tx`'s; only which entries share a chunk changes. `tx`'s state holds its
-per-entry arrays in the reordered layout (so a checkpoint of one order does
-not resume under the other).
+`interleave_chunks(tx)` runs `tx` on each leaf with its entries reordered:
+the first N * (size // N) entries are dealt round-robin (`interleave`), so
+that block n of size // N entries holds entries n, n + N, n + 2N, ... of the
+original, and the last size % N stay at the end. Where N divides the size
+(the embedding's 256 x d_model and every leaf of the presets here), block n
+is exactly SCAPE's chunk n; where it does not, SCAPE's chunks of
+ceil(size / N) entries drift across the blocks, and each holds parts of two
+residue classes. The updates `tx` returns are put back in the original
+order (`deinterleave`). Leaves keep their shapes, so every buffer,
+collective and byte on the wire is `tx`'s, and so is every score that
+treats a leaf's entries alike; a score that reads a leaf's rows (variant
+'local_adam_rowshrunk''s prior per row) would read strided rows instead,
+and the trainer refuses that combination. `tx`'s state holds its per-entry
+arrays in the reordered layout (so a checkpoint of one order does not
+resume under the other).
 
 This is only valid where `tx`'s state is replicated or per worker
 (Algorithm 1 and its variants): under Algorithm 2 the chunks are also the
@@ -67,8 +73,9 @@ def interleave_chunks(
       replicated or per-worker state.
     axis_name: the data-parallel axis `tx` exchanges over (N is its size),
       or None for one worker (no reordering).
-    mask: as optax's: a tree of bools, or a callable params -> that tree,
-      True on the leaves to reorder; None (the default) reorders every leaf.
+    mask: as optax's: a tree of bools (or a prefix of the tree), or a
+      callable params -> that tree, True on the leaves to reorder; None
+      (the default) reorders every leaf.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is `tx`'s (its
@@ -85,9 +92,14 @@ def interleave_chunks(
   def order(where, tree, fn):
     n, _ = _common.axis_context(where, axis_name)
     chosen = mask(tree) if callable(mask) else mask
+
+    def subtree(sub):
+      return jax.tree.map(lambda x: fn(x, n), sub)
+
     if chosen is None:
-      return jax.tree.map(lambda x: fn(x, n), tree)
-    return jax.tree.map(lambda x, c: fn(x, n) if c else x, tree, chosen)
+      return subtree(tree)
+    return jax.tree.map(lambda c, sub: subtree(sub) if c else sub, chosen,
+                        tree, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
 
   def init_fn(params):
     return tx.init(order('interleave_chunks init', params, interleave))
@@ -103,12 +115,25 @@ def interleave_chunks(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+# Variants whose mask reads a leaf's rows, which a reordered leaf strides.
+ROW_VARIANTS = ('local_adam_rowshrunk',)
+
+
 def interleave_named(tx: optax.GradientTransformation, parts: str,
-                     axis_name=DATA,
+                     axis_name=DATA, *, variant: str = 'faithful',
+                     distributed: bool = False,
                      where: str = 'optimizer.scape.interleaved_leaves'):
   """`interleave_chunks` on the leaves whose path holds one of the
   comma-separated `parts` (`_common.leaves_named`: a part that matches no
   leaf is a ValueError naming it and `where`); `tx` itself if `parts` names
-  none."""
+  none. `tx` is SCAPE of `variant`, Algorithm 2 if `distributed`; a leaf
+  named under Algorithm 2 or a `ROW_VARIANTS` variant is a ValueError."""
   named = _common.leaves_named(parts.split(','), where)
-  return tx if named is None else interleave_chunks(tx, axis_name, named)
+  if named is None:
+    return tx
+  why = ('distributed=True: its chunks are the optimizer shards'
+         if distributed else f'variant={variant!r}: its prior per row would '
+         'read strided rows' if variant in ROW_VARIANTS else None)
+  if why:
+    raise ValueError(f"{where}={parts!r} with {why}; allowed there: ''.")
+  return interleave_chunks(tx, axis_name, named)

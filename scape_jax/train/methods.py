@@ -289,11 +289,9 @@ def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
                                        section.density_warmup_steps,
                                        section.density_levels)
   alias = scape_dist_lib.scape_dist if section.distributed else scape_lib.scape
-  if section.distributed and (section.variant != 'faithful' or
-                              section.interleaved_leaves.strip(', ')):
-    raise ValueError(f'scape: variant={section.variant!r}, interleaved_leaves='
-                     f'{section.interleaved_leaves!r}: Algorithm 1 only; with '
-                     "distributed=True only 'faithful' and '' are allowed.")
+  if section.distributed and section.variant != 'faithful':
+    raise ValueError(f'scape: variant={section.variant!r} is for Algorithm 1; '
+                     'distributed=True allows only variant=\'faithful\'.')
   variant = {} if section.distributed else {'variant': section.variant}
   tx = alias(
       lr, density=schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
@@ -303,8 +301,9 @@ def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
           section.dense_leaves.split(','), 'optimizer.scape.dense_leaves'),
       mask_encoding=section.mask_encoding,
       select=section.select, **_wire_options(section), **variant)
-  tx = interleave_lib.interleave_named(tx, section.interleaved_leaves,
-                                      ctx.axis_name)
+  tx = interleave_lib.interleave_named(
+      tx, section.interleaved_leaves, ctx.axis_name, variant=section.variant,
+      distributed=section.distributed)
   if section.fp32_replica:
     tx = replica_lib.with_fp32_replica(tx)
   kinds = (functools.partial(sharding_memory.offload_memory_kinds,
