@@ -15,7 +15,7 @@ the letters' chunks wait (`bench/fidelity_leaves.py chunks`).
 the first N * (size // N) entries are dealt round-robin (`interleave`), so
 that block n of size // N entries holds entries n, n + N, n + 2N, ... of the
 original, and the last size % N stay at the end. Where N divides the size
-(the embedding's 256 x d_model and every leaf of the presets here), block n
+(the embedding's 256 x d_model, and every leaf of llama-tiny), block n
 is exactly SCAPE's chunk n; where it does not, SCAPE's chunks of
 ceil(size / N) entries drift across the blocks, and each holds parts of two
 residue classes. The updates `tx` returns are put back in the original
