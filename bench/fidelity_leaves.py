@@ -27,7 +27,6 @@ the grid's runs.
 import argparse
 import glob
 import json
-import math
 import os
 import re
 import time
@@ -97,11 +96,9 @@ def _study_runs(out: str) -> dict:
 
 
 def _mean_se(values: list) -> str:
-  mean = sum(values) / len(values)
-  if len(values) < 2:
-    return f'{100 * mean:+.1f}%'
-  sd = math.sqrt(sum((v - mean)**2 for v in values) / (len(values) - 1))
-  return f'{100 * mean:+.1f}% +- {100 * sd / math.sqrt(len(values)):.1f}'
+  mean, error = fidelity_variants.mean_and_error(values)
+  return f'{100 * mean:+.1f}%' + (f' +- {100 * error:.1f}'
+                                  if len(values) > 1 else '')
 
 
 def table(out: str, point: tuple = ('base', '')) -> str:
@@ -134,10 +131,10 @@ def table(out: str, point: tuple = ('base', '')) -> str:
       paired = [100 * (fidelity_variants.gap(runs[s], adams[s]) -
                        fidelity_variants.gap(plain[s], adams[s]))
                 for s in seeds if s in plain]
-      minus = ('-' if runs is plain or not paired else
-               f'{sum(paired) / len(paired):+.2f} +- '
-               f'{_se(paired):.2f} ({len(paired)} seeds, closer on '
-               f'{sum(p < 0 for p in paired)})')
+      minus = '-' if runs is plain or not paired else (
+          '{:+.2f} +- {:.2f}'.format(*fidelity_variants.mean_and_error(
+              paired)) + f' ({len(paired)} seeds, closer on '
+          f'{sum(p < 0 for p in paired)})')
       lines.append(f'| {method} | {change} | {nbytes:,.0f} | {cells} | '
                    f'{_mean_se(gaps)} | {minus} |')
   return '\n'.join(lines)
@@ -145,14 +142,6 @@ def table(out: str, point: tuple = ('base', '')) -> str:
 
 def _label(group: str) -> str:
   return group if 'interleaved' in group else f'{group} sent whole'
-
-
-def _se(values: list) -> float:
-  if len(values) < 2:
-    return float('nan')
-  mean = sum(values) / len(values)
-  return math.sqrt(sum((v - mean)**2 for v in values) /
-                   (len(values) - 1) / len(values))
 
 
 def chunks(data_dir: str, num_chunks: int) -> str:

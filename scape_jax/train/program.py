@@ -428,13 +428,19 @@ def _cpu_twin(cfg: Config, platform: str) -> tuple:
                 'TPU only)')
 
 
+def program_key(program: Program, count: int) -> tuple:
+  """The train-step program of the update after `count` updates: the
+  method's static update arguments, sorted (one compiled program each)."""
+  return tuple(sorted(program.method.update_kwargs(count).items()))
+
+
 def steady_count(program: Program) -> tuple:
   """(count, static args, steps that run it): the first update of the
   program that runs most of the run's steps (SCAPE's final density,
   Radius's sparse step, DiLoCo's inner step); the later one on a tie."""
   runs = {}
   for count in range(program.cfg.steps):
-    key = tuple(sorted(program.method.update_kwargs(count).items()))
+    key = program_key(program, count)
     first, n = runs.get(key, (count, 0))
     runs[key] = first, n + 1
   key = max(runs, key=lambda k: (runs[k][1], runs[k][0]))

@@ -28,7 +28,7 @@ from scape_jax.train import step as step_lib
 from scape_jax.train.checkpoint import Checkpointer
 from scape_jax.train.metrics import MetricsLogger, Progress, plot_loss
 from scape_jax.train import program as program_lib
-from scape_jax.train.program import Program, build_program
+from scape_jax.train.program import Program, build_program, program_key
 
 
 class StepPrograms:
@@ -45,7 +45,7 @@ class StepPrograms:
 
   def key(self, count: int) -> tuple:
     """The program of the update after `count`: its sorted static args."""
-    return tuple(sorted(self._program.method.update_kwargs(count).items()))
+    return program_key(self._program, count)
 
   def __call__(self, count: int):
     """(executable, bytes sent per device) for the update after `count`."""
