@@ -71,8 +71,8 @@ def test_compiled_pack_and_unpack_match_numpy(n, c):
                                 bits)
 
 
-@pytest.mark.parametrize('select', ['sort', 'threshold', 'pallas', 'radix',
-                                    'pallas_radix', 'auto'])
+@pytest.mark.parametrize('select', ['sort', 'sort_keys', 'threshold', 'pallas',
+                                    'radix', 'pallas_radix', 'auto'])
 @pytest.mark.parametrize('kind', ['normal', 'quantised', 'equal'])
 def test_every_select_equals_numpy_on_gpu(select, kind):
   rng = np.random.default_rng(3)
@@ -122,7 +122,8 @@ def _run_scape(select, density, device):
 def test_scape_update_is_the_same_with_every_select_on_gpu(density):
   gpu = jax.devices('gpu')[0]
   base = _run_scape('sort', density, gpu)
-  for select in ('threshold', 'pallas', 'radix', 'pallas_radix', 'auto'):
+  for select in ('sort_keys', 'threshold', 'pallas', 'radix', 'pallas_radix',
+                 'auto'):
     got = _run_scape(select, density, gpu)
     jax.tree.map(np.testing.assert_array_equal, got, base)
 

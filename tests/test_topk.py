@@ -60,7 +60,7 @@ def _cases(c):
   return sorted(out)
 
 
-@pytest.mark.parametrize('select', ['threshold', 'radix'])
+@pytest.mark.parametrize('select', ['threshold', 'radix', 'sort_keys'])
 @pytest.mark.parametrize('kind', ['normal', 'equal', 'quantised', 'zeros',
                                   'denormal'])
 @pytest.mark.parametrize('c', [1, 37, 1000, 20_011, 70_000])
@@ -118,7 +118,8 @@ def test_nan_and_inf_rank_above_every_finite_value():
     expected = np.zeros(32, bool)
     expected[order[:k]] = True
     expected = np.packbits(expected, bitorder='little').view('<u4')
-    for select in ('sort', 'threshold', 'pallas', 'radix', 'pallas_radix'):
+    for select in ('sort', 'sort_keys', 'threshold', 'pallas', 'radix',
+                   'pallas_radix'):
       got = _selector(select)(jnp.asarray(x), jnp.int32(8), jnp.int32(k))
       np.testing.assert_array_equal(np.asarray(got), expected,
                                     err_msg=f'{select} k={k}')
@@ -138,7 +139,7 @@ def test_nan_and_inf_in_large_chunks():
   x[rng.choice(30_000, 300, replace=False)] = np.nan
   x[rng.choice(30_000, 300, replace=False)] = -np.inf
   for k in (1, 299, 300, 650, 3000):
-    for select in ('threshold', 'radix'):
+    for select in ('threshold', 'radix', 'sort_keys'):
       got = _selector(select)(jnp.asarray(x), jnp.int32(30_000),
                               jnp.int32(k))
       np.testing.assert_array_equal(np.asarray(got),

@@ -19,6 +19,11 @@ Selections (`SELECTS`):
 
   * 'sort': `lax.top_k` (or a stable argsort when width = c) on the keys.
     XLA sorts the whole operand for large k.
+  * 'sort_keys': `jnp.sort` of the keys alone (no indices, so half the
+    bytes of 'sort''s key-index sort), T read off at position c - k, then
+    the tie cut (one counting pass) and the mask pass. For GPUs, where
+    XLA's sort of one int32 operand is a radix sort (cub) and no step
+    waits on the host.
   * 'threshold': pure jnp. The k-th largest key T is bracketed by counting
     passes, each a fused compare-and-count of the chunk against two
     thresholds: sampled keys around the sample's estimate of T first, then
@@ -61,7 +66,8 @@ from scape_jax.kernels import topk_mask
 from scape_jax.kernels._common import same_varying
 from scape_jax.kernels.topk_mask import NAN_KEY, PAD_KEY, ROW, magnitude_key
 
-SELECTS = ('auto', 'sort', 'threshold', 'pallas', 'radix', 'pallas_radix')
+SELECTS = ('auto', 'sort', 'sort_keys', 'threshold', 'pallas', 'radix',
+           'pallas_radix')
 # The default per lowering platform ('auto'), by measurement where there is
 # one (docs/benchmarks.md, section 2): on an H100 the sort is 2.6x faster
 # than the search, whose while loops wait on the host at every pass; rocm
@@ -139,6 +145,8 @@ def auto_select(platform: str, width: int) -> str:
 def _bound(select: str, width: int) -> Callable:
   if select == 'sort':
     return lambda x, n, k: sort_topk_words(x, n, width, k)
+  if select == 'sort_keys':
+    return sort_keys_topk_words
   if select in ('radix', 'pallas_radix'):
     return lambda x, n, k: radix_topk_words(
         x, n, k, use_pallas=select == 'pallas_radix')
@@ -168,6 +176,17 @@ def sort_topk_words(scores, num_valid, width: int, k) -> jax.Array:
   t = keys[last]
   index = jnp.arange(c, dtype=order.dtype)
   return _pack((keys > t) | ((keys == t) & (index <= last)))
+
+
+def sort_keys_topk_words(scores, num_valid, k) -> jax.Array:
+  """The 'sort_keys' selection: T = the k-th largest key off `jnp.sort`
+  of the keys alone, then the tie cut and the mask pass in jnp."""
+  c = scores.shape[0]
+  t = jnp.sort(_keys(scores, num_valid))[c - k]
+  passes = _passes(scores, num_valid, use_pallas=False)
+  counts = passes.count(t, t + 1)
+  b = _Bracket(t, t + 1, jnp.sum(counts[:, 0]), jnp.sum(counts[:, 1]))
+  return passes.emit(t, t + 1, _tie_cut(passes, b, k, counts))
 
 
 def _keys(scores, num_valid):
@@ -484,10 +503,12 @@ def _radix_narrow(b: _Bracket, k, count_many) -> _Bracket:
   return _Bracket(keys[last], keys[last + 1], at[last], at[last + 1])
 
 
-def _tie_cut(passes: _Passes, b: _Bracket, k) -> jax.Array:
-  """The offset just past the (k - c_hi)-th key in [lo, hi), by offset."""
+def _tie_cut(passes: _Passes, b: _Bracket, k, counts=None) -> jax.Array:
+  """The offset just past the (k - c_hi)-th key in [lo, hi), by offset
+  (`counts`: `passes.count(b.lo, b.hi)`, if the caller has it)."""
   need = k - b.c_hi
-  counts = passes.count(b.lo, b.hi)
+  if counts is None:
+    counts = passes.count(b.lo, b.hi)
   row, before = _locate(counts[:, 0] - counts[:, 1], need)
   keys = passes.row_keys(row[None])[0]
   lane, _ = _locate(((keys >= b.lo) & (keys < b.hi)).astype(jnp.int32),

@@ -1,0 +1,61 @@
+#!/bin/bash
+# The GPU checks of the top-k selects (docs/benchmarks.md section 2, "On a
+# GPU"), in one call of a lent GPU machine, each step under its own time
+# limit so that a slow one still leaves the others' output:
+#
+#   bash bench/gpu_checks.sh select [OUT]    # per-chunk times + profiles
+#   bash bench/gpu_checks.sh update [OUT]    # the overhead table + GPU tests
+#
+# SELECTS (default 'sort_keys pallas_radix') names the candidates beside
+# 'sort' and 'auto'. OUT (default runs/gpu) gets each step's log and
+# table, and gpu_checks.tgz with all of them.
+set -u
+step=${1:?usage: bash bench/gpu_checks.sh select|update [OUT]}
+out=${2:-${OUT:-runs/gpu}}
+selects=${SELECTS:-sort_keys pallas_radix}
+work=$(mktemp -d)
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+start=$(date +%s)
+
+run() {  # run LIMIT_S NAME COMMAND...: stdout and stderr to NAME.log
+  local limit=$1 name=$2
+  shift 2
+  echo "== $name (limit ${limit}s): $*"
+  timeout "$limit" "$@" 2>&1 | tee "$work/$name.log"
+  echo "== $name: exit ${PIPESTATUS[0]} after $(($(date +%s) - start)) s"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv \
+  | tee "$work/device.log"
+python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' \
+  | tee -a "$work/device.log"
+git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$work/device.log"
+
+if [ "$step" = select ]; then
+  # llama-100m's leaf sizes, k = c/100 and c/10.
+  run 150 crossover env JAX_PLATFORMS=cuda python3 bench/select_crossover.py \
+    --selects sort $selects --chunks 1179648 6291456 12288000 \
+    --widths 100 10 --out "$work"
+  for s in $selects sort; do
+    mkdir -p "$work/profile_$s"
+    run 60 "profile_$s" env JAX_PLATFORMS=cuda python3 bench/update_profile.py \
+      --method "scape d=0.1 select=$s" --top 30 --out "$work/profile_$s"
+    cp "$work/profile_$s/update_profile.md" "$out/profile_$s.md" 2>/dev/null
+    rm -f "$work/profile_$s"/*.trace.json.gz
+  done
+  cp "$work/select_crossover.md" "$out/" 2>/dev/null
+elif [ "$step" = update ]; then
+  run 300 overhead env JAX_PLATFORMS=cuda python3 bench/optimizer_overhead.py \
+    --trees llama-100m --densities 0.1 0.01 --selects auto $selects \
+    --number 5 --repeats 5 --out "$work"
+  run 200 test_gpu env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q \
+    -p no:cacheprovider tests/test_gpu.py
+  cp "$work"/optimizer_overhead.{md,json} "$work/test_gpu.log" "$out/" \
+    2>/dev/null
+else
+  echo "unknown step '$step': select or update" >&2
+  exit 2
+fi
+tar czf "$out/gpu_checks.tgz" -C "$work" .
+echo "== done in $(($(date +%s) - start)) s"
