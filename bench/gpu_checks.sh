@@ -30,7 +30,6 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv \
   | tee "$work/device.log"
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' \
   | tee -a "$work/device.log"
-git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$work/device.log"
 
 if [ "$step" = select ]; then
   # llama-100m's leaf sizes, k = c/100 and c/10.

@@ -518,7 +518,7 @@ def test_every_select_gives_the_same_masks_and_updates():
   single = [_run_single(scape_jax.scape(
       1e-2, density=schedule, axis_name=None, mask_encoding=encoding,
       select=select), params, grads) for select in ('sort', 'pallas',
-                                                      'radix')]
+                                                      'radix', 'sort_keys')]
   for other in single[1:]:
     for x, y in zip(jax.tree.leaves(single[0]), jax.tree.leaves(other)):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

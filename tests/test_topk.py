@@ -315,8 +315,8 @@ def test_every_select_types_its_words_like_its_inputs_in_shard_map(varying):
   # and the branches must have one type (a chunk above
   # AUTO_SORT_MAX_WIDTH['cpu'] once failed there: the full-width sort's
   # scatter into fresh zeros was typed as not varying).
-  c, selects, widths = 2048, ('sort', 'threshold', 'radix', 'auto'), (
-      2048, 200)
+  c, selects, widths = 2048, ('sort', 'sort_keys', 'threshold', 'radix',
+                               'auto'), (2048, 200)
   data = np.random.default_rng(0).normal(size=8 * c).astype(np.float32)
 
   def per_worker(xs):

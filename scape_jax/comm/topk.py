@@ -22,8 +22,9 @@ Selections (`SELECTS`):
   * 'sort_keys': `jnp.sort` of the keys alone (no indices, so half the
     bytes of 'sort''s key-index sort), T read off at position c - k, then
     the tie cut (one counting pass) and the mask pass. For GPUs, where
-    XLA's sort of one int32 operand is a radix sort (cub) and no step
-    waits on the host.
+    XLA's sort of one int32 operand is cub's radix sort: on an H100 the
+    update is 7-12% slower than with 'sort', with a third of its
+    temporaries.
   * 'threshold': pure jnp. The k-th largest key T is bracketed by counting
     passes, each a fused compare-and-count of the chunk against two
     thresholds: sampled keys around the sample's estimate of T first, then
@@ -70,8 +71,9 @@ SELECTS = ('auto', 'sort', 'sort_keys', 'threshold', 'pallas', 'radix',
            'pallas_radix')
 # The default per lowering platform ('auto'), by measurement where there is
 # one (docs/benchmarks.md, section 2): on an H100 the sort is 2.6x faster
-# than the search, whose while loops wait on the host at every pass; rocm
-# runs XLA's GPU runtime too (not measured); tpu: not measured.
+# than the search, whose while loops wait on the host at every pass, and
+# faster than 'sort_keys' and 'pallas_radix' in the update; rocm runs XLA's
+# GPU runtime too (not measured); tpu: not measured.
 AUTO_SELECT = {'cpu': 'threshold', 'cuda': 'sort', 'rocm': 'sort',
                'tpu': 'threshold'}
 # 'auto' takes 'sort' for a width up to this, per platform (measured on CPU

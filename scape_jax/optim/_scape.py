@@ -142,7 +142,8 @@ def scale_by_scape(
       allowed), 'bitmap' or 'indices' (offsets, of `offset_bits`).
     select: how the next mask's top-k is found, one of `topk.SELECTS`:
       'auto' (`topk.AUTO_SELECT` for the platform the program is lowered
-      for), 'sort' (`lax.top_k`), 'threshold' (sort-free, jnp), 'pallas'
+      for), 'sort' (`lax.top_k`), 'sort_keys' (`jnp.sort` of the keys
+      alone, then the tie cut), 'threshold' (sort-free, jnp), 'pallas'
       (sort-free, Pallas kernels; GPU and TPU), 'radix' (sort-free, jnp,
       a fixed number of passes: no loop) or 'pallas_radix' (the same
       passes as Pallas kernels). All give the same bits.

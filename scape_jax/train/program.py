@@ -333,7 +333,7 @@ def _check_select(cfg: Config, platform: str) -> None:
           f'optimizer.scape.select={section.select!r} runs Pallas kernels, '
           'which SCAPE\'s train step can run on a GPU or TPU only (on the '
           "CPU, Pallas' interpreter does not run inside shard_map); on cpu "
-          "use 'auto', 'threshold', 'radix' or 'sort'")
+          "use 'auto', 'threshold', 'radix', 'sort' or 'sort_keys'")
 
 
 def param_count(program: Program) -> int:
