@@ -15,7 +15,8 @@ import pytest
 
 import scape_jax
 from scape_jax.comm import topk
-from scape_jax.kernels import pack_bits, topk_mask, unpack_bits
+from scape_jax.kernels import pack_bits, topk_mask, topk_segments, unpack_bits
+from tests.test_kernels import _two_chunks
 from tests.test_topk import _numpy_words
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != 'gpu',
@@ -57,6 +58,22 @@ def test_compiled_mask_kernel_matches_reference(c):
       got = topk_mask.threshold_mask_words(x, num_valid, *args)
       expected = topk_mask.threshold_mask_words_reference(x, num_valid, *args)
       np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+
+def test_compiled_segment_kernels_match_reference():
+  (a, _), x, row0, num_valid = _two_chunks()
+  med = int(np.median(np.asarray(topk_mask.magnitude_key(a))))
+  thresholds = jnp.asarray([[-1, 0, med]] * 3, jnp.int32)
+  np.testing.assert_array_equal(
+      np.asarray(topk_segments.count_rows(x, row0, num_valid, thresholds)),
+      np.asarray(topk_segments.count_rows_reference(x, row0, num_valid,
+                                                    thresholds)))
+  bounds = (jnp.asarray([med, med, -1]), jnp.asarray([med + 1, med + 1, 0]),
+            jnp.asarray([5000, 2000, 10]))
+  np.testing.assert_array_equal(
+      np.asarray(topk_segments.mask_rows(x, row0, num_valid, *bounds)),
+      np.asarray(topk_segments.mask_rows_reference(x, row0, num_valid,
+                                                   *bounds)))
 
 
 @pytest.mark.parametrize('n, c', [(1, 1), (3, 31), (2, 128), (4, 1000),

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scape_jax.kernels import pack_bits, topk_mask, unpack_bits
+from scape_jax.kernels import pack_bits, topk_mask, topk_segments, unpack_bits
 
 TRITON = '__gpu$xla.gpu.triton'
 MOSAIC_TPU = 'tpu_custom_call'
@@ -115,6 +115,58 @@ def test_all_equal_chunk(c):
           topk_mask.threshold_mask_words_reference(x, c, key, key + 1, cut)))
 
 
+def _two_chunks():
+  """Rows of two chunks end to end (5000 and 3000 entries, each padded to
+  whole blocks of 32 x 128), per block: first row in its chunk, num_valid."""
+  a, b = _scores(5000, 1), _scores(3000, 2)
+  x = jnp.concatenate([topk_mask.as_rows(a), topk_mask.as_rows(b)])
+  row0 = jnp.asarray([0, 32, 0], jnp.int32)
+  num_valid = jnp.asarray([4900, 4900, 3000], jnp.int32)
+  return (a, b), x, row0, num_valid
+
+
+def test_count_rows_matches_reference_and_numpy_per_chunk():
+  (a, b), x, row0, num_valid = _two_chunks()
+  keys = [np.asarray(topk_mask.magnitude_key(v)) for v in (a, b)]
+  med = [int(np.median(k)) for k in keys]
+  thresholds = jnp.asarray([[-1, 0, med[0]], [-1, 0, med[0]],
+                            [-1, 0x7F800000, med[1]]], jnp.int32)
+  got = topk_segments.count_rows(x, row0, num_valid, thresholds,
+                                 interpret=True)
+  expected = topk_segments.count_rows_reference(x, row0, num_valid,
+                                                thresholds)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+  got = np.asarray(got)
+  # Per chunk against NumPy: padding (key -1) counts at threshold -1 only.
+  real = (keys[0][:4900], keys[1][:3000])
+  np.testing.assert_array_equal(got[:64].sum(0), [64 * 128, np.sum(
+      real[0] >= 0), np.sum(real[0] >= med[0])])
+  np.testing.assert_array_equal(got[64:].sum(0), [32 * 128, np.sum(
+      real[1] >= 0x7F800000), np.sum(real[1] >= med[1])])
+
+
+def test_mask_rows_matches_reference_and_numpy_per_chunk():
+  (a, b), x, row0, num_valid = _two_chunks()
+  lo = [int(np.median(np.asarray(topk_mask.magnitude_key(v)))) for v in (a, b)]
+  got = topk_segments.mask_rows(
+      x, row0, num_valid, jnp.asarray([lo[0], lo[0], -1]),
+      jnp.asarray([lo[0] + 1, lo[0] + 1, 0]), jnp.asarray([5000, 5000, 10]),
+      interpret=True)
+  expected = topk_segments.mask_rows_reference(
+      x, row0, num_valid, jnp.asarray([lo[0], lo[0], -1]),
+      jnp.asarray([lo[0] + 1, lo[0] + 1, 0]), jnp.asarray([5000, 5000, 10]))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+  # Chunk a: the keys above the median; chunk b: every real key, and the
+  # padding (key -1 = lo) before offset 10: none, its 3000 are all real.
+  words = np.asarray(got)
+  first = np.asarray(topk_mask.threshold_mask_words_reference(
+      a, 4900, lo[0], lo[0] + 1, 5000))
+  np.testing.assert_array_equal(words[:64].reshape(-1)[:157], first)
+  bits = np.unpackbits(words[64:].reshape(-1).view(np.uint8),
+                       bitorder='little')
+  np.testing.assert_array_equal(np.flatnonzero(bits), np.arange(3000))
+
+
 def test_unpack_rejects_too_few_words():
   with pytest.raises(ValueError, match='2 words hold 64 bits < c=65'):
     unpack_bits.unpack_bits(jnp.zeros((1, 2), jnp.uint32), 65)
@@ -132,6 +184,13 @@ def _kernel_calls():
                            (x, 4000, jnp.arange(5, dtype=jnp.int32))),
       'threshold_mask_words': (topk_mask.threshold_mask_words,
                                (x, 4000, 1, 2, 3)),
+      'count_rows': (topk_segments.count_rows,
+                     (x[:4096].reshape(32, 128), jnp.zeros(1, jnp.int32),
+                      jnp.full(1, 4000), jnp.arange(15).reshape(1, 15))),
+      'mask_rows': (topk_segments.mask_rows,
+                    (x[:4096].reshape(32, 128), jnp.zeros(1, jnp.int32),
+                     jnp.full(1, 4000), jnp.ones(1, jnp.int32),
+                     jnp.full(1, 2), jnp.full(1, 3))),
       'pack_bits': (pack_bits.pack_bits, (bits,)),
       'unpack_bits': (lambda w: unpack_bits.unpack_bits(w, 300), (words,)),
   }

@@ -37,17 +37,18 @@ Selections (`SELECTS`):
     on smooth data (`tests/test_topk.py` bounds them).
   * 'pallas': the same search with the counting and mask passes as Pallas
     kernels (`scape_jax.kernels.topk_mask`); Triton on GPU, Mosaic on TPU.
-  * 'radix': pure jnp, with no loop and no branch: `RADIX_PASSES` counting
-    passes, each of which splits the bracket's key range into `RADIX`
-    equal parts and keeps the part that holds T (8 passes of 15 thresholds
-    pin any key), then the tie cut and the mask pass. Made for backends
-    where a data-dependent loop costs a round trip to the host at every
-    iteration (XLA's GPU runtime reads a `while` condition on the host);
-    its passes do more compares than the search's, so on CPU it is the
-    slower one (`bench/select_crossover.py`).
-  * 'pallas_radix': 'radix' with its counting and mask passes as the
-    Pallas kernels of 'pallas' (one kernel per pass, where XLA reduces
-    the jnp passes' 15 counts in a form of its own choosing).
+  * 'radix': pure jnp, with no loop and no branch (`comm.radix`):
+    `RADIX_PASSES` counting passes, each of which splits the bracket's key
+    range into `RADIX` equal parts and keeps the part that holds T (8
+    passes of 15 thresholds pin any key), then the tie cut and the mask
+    pass. `chunks_topk_words` runs these passes over many chunks at once.
+    Made for backends where a data-dependent loop costs a round trip to
+    the host at every iteration (XLA's GPU runtime reads a `while`
+    condition on the host); its passes do more compares than the
+    search's, so on CPU it is the slower one (`bench/select_crossover.py`).
+  * 'pallas_radix': 'radix' with its passes as Pallas kernels
+    (`scape_jax.kernels.topk_segments`): one launch per pass for all the
+    chunks.
   * 'auto': `AUTO_SELECT[platform]`, resolved when the program is lowered
     (`jax.lax.platform_dependent`), so a program lowered for another
     platform gets that platform's choice. Except: where the top-k width is
@@ -57,12 +58,14 @@ Selections (`SELECTS`):
     `bench/select_crossover.py`). Both give the same bits.
 """
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from scape_jax.comm import radix
+from scape_jax.comm.radix import RADIX, RADIX_PASSES  # noqa: F401
 from scape_jax.kernels import topk_mask
 from scape_jax.kernels._common import same_varying
 from scape_jax.kernels.topk_mask import NAN_KEY, PAD_KEY, ROW, magnitude_key
@@ -79,6 +82,7 @@ AUTO_SELECT = {'cpu': 'threshold', 'cuda': 'sort', 'rocm': 'sort',
 # 'auto' takes 'sort' for a width up to this, per platform (measured on CPU
 # only: `bench/select_crossover.py`; no entry: never).
 AUTO_SORT_MAX_WIDTH = {'cpu': 1024}
+RADIX_SELECTS = ('radix', 'pallas_radix')  # every chunk in one set of passes
 SAMPLE = 1 << 14  # sampled keys that steer the first passes
 FINISH = 512  # keys left in the bracket when their rows are gathered and sorted
 _FILL_KEY = PAD_KEY - 1  # below every key: rows gathered past the chunk
@@ -126,6 +130,24 @@ def chunk_topk_words(scores: jax.Array, num_valid, width: int, k, *,
   return _bound(select, width)(scores, num_valid, k)
 
 
+def chunks_topk_words(scores: Sequence[jax.Array], num_valid: Sequence,
+                      widths: Sequence[int], ks: Sequence, *,
+                      select: str = 'auto') -> list:
+  """`chunk_topk_words` of many chunks (the same bits): 'radix' and
+  'pallas_radix' select them all in one set of passes, the other selects
+  one chunk at a time."""
+  check_select(select, 'chunks_topk_words')
+  if select not in RADIX_SELECTS:
+    return [chunk_topk_words(x, n, w, k, select=select)
+            for x, n, w, k in zip(scores, num_valid, widths, ks)]
+  for x, w in zip(scores, widths):
+    if not 1 <= w <= x.shape[0]:
+      raise ValueError(f'chunks_topk_words: width={w} must be in '
+                       f'[1, {x.shape[0]}].')
+  return radix.radix_topk_words_many(
+      scores, num_valid, ks, use_pallas=select == 'pallas_radix')
+
+
 def backend_platform() -> str:
   """The default backend as a lowering platform: 'cpu', 'cuda', 'rocm' or
   'tpu' (jax.default_backend() says 'gpu' for both GPU platforms)."""
@@ -149,9 +171,9 @@ def _bound(select: str, width: int) -> Callable:
     return lambda x, n, k: sort_topk_words(x, n, width, k)
   if select == 'sort_keys':
     return sort_keys_topk_words
-  if select in ('radix', 'pallas_radix'):
-    return lambda x, n, k: radix_topk_words(
-        x, n, k, use_pallas=select == 'pallas_radix')
+  if select in RADIX_SELECTS:
+    return lambda x, n, k: radix.radix_topk_words_many(
+        [x], [n], [k], use_pallas=select == 'pallas_radix')[0]
   return lambda x, n, k: threshold_topk_words(
       x, n, k, use_pallas=select == 'pallas')
 
@@ -456,53 +478,6 @@ def _finish(passes: _Passes, b: _Bracket, k):
       lambda: _candidates(passes, b, k),  # few keys left: sort them
       lambda: (b.lo, b.hi, _tie_cut(passes, b, k)),  # hi = lo + 1 = T + 1
   ])
-
-
-# ----------------------------------------------------------------------------
-# 'radix': the same bracket, narrowed by a fixed number of passes.
-
-RADIX = 16  # parts a 'radix' pass splits the bracket's key range into
-
-
-def _passes_to_pin(span: int, parts: int) -> int:
-  """Passes that narrow a key range of `span` to one key, `parts` ways."""
-  passes = 0
-  while span > 1:
-    span, passes = -(-span // parts), passes + 1
-  return passes
-
-
-# Any chunk's T is pinned after this many passes: the bracket starts as
-# [PAD_KEY, NAN_KEY + 1).
-RADIX_PASSES = _passes_to_pin(NAN_KEY + 1 - PAD_KEY, RADIX)
-
-
-def radix_topk_words(scores, num_valid, k, use_pallas: bool = False
-                     ) -> jax.Array:
-  """The 'radix' selection: `RADIX_PASSES` counting passes, the tie cut
-  and the mask pass, straight-line (no `while`, no conditional); in jnp, or
-  with the passes as Pallas kernels ('pallas_radix')."""
-  passes = _passes(scores, num_valid, use_pallas)
-  k = jnp.asarray(k, jnp.int32)
-  b = _Bracket(jnp.int32(PAD_KEY), jnp.int32(NAN_KEY + 1),
-               jnp.int32(passes.rows * ROW), jnp.int32(0))
-  for _ in range(RADIX_PASSES):
-    b = _radix_narrow(b, k, passes.count_many)
-  return passes.emit(b.lo, b.hi, _tie_cut(passes, b, k))
-
-
-def _radix_narrow(b: _Bracket, k, count_many) -> _Bracket:
-  """One pass: counts at RADIX - 1 evenly spaced keys inside (lo, hi); the
-  new bracket is the part between two neighbours that holds T, at most
-  ceil((hi - lo) / RADIX) keys wide. A bracket of one key stays as it is."""
-  step = -(-(b.hi - b.lo) // RADIX)  # >= 1; no int32 overflow
-  probes = jnp.minimum(b.lo + step * jnp.arange(1, RADIX, dtype=jnp.int32),
-                       jnp.maximum(b.hi - 1, b.lo))
-  counts = count_many(probes)  # non-increasing along the probes
-  keys = jnp.concatenate([b.lo[None], probes, b.hi[None]])
-  at = jnp.concatenate([b.c_lo[None], counts, b.c_hi[None]])
-  last = jnp.sum(counts >= k)  # keys[last]: the highest with count >= k
-  return _Bracket(keys[last], keys[last + 1], at[last], at[last + 1])
 
 
 def _tie_cut(passes: _Passes, b: _Bracket, k, counts=None) -> jax.Array:

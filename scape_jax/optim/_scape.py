@@ -473,36 +473,37 @@ def _direction(mu_prev, bbar, gbar, count, hyper, in_mask, variant_state,
 
 def _next_own_masks(moment, plan, k_levels, level, next_level, hyper,
                     shift=None):
-  """The next step's chunk mask of this worker, per compressed leaf: of
-  chunk n for worker n, or (n + shift) % N ('local_adam_rotating')."""
+  """This worker's next chunk mask per compressed leaf, uint32[1, w]: top-k
+  of |m~| in chunk n for worker n, or (n + shift) % N ('local_adam_rotating'),
+  of width k_levels[j][level] (static; levels never increase, so the next
+  k, traced, is a prefix of it), all leaves in one `chunks_topk_words`."""
   worker = (0 if hyper.axis_name is None else
             jax.lax.axis_index(hyper.axis_name))
   if shift is not None:
     worker = (worker + shift) % plan.num_workers
-  return [None if layout is None else _next_own_mask(
-      mt, layout, worker, k_levels[j], level,
-      jnp.asarray(k_levels[j], jnp.int32)[next_level], hyper.select)
-          for j, (mt, layout) in enumerate(zip(moment, plan.layouts))]
+  out = [None if layout is None else masks.pack_bits(  # dense at every level
+      jnp.ones((1, layout.chunk_size), bool)) for layout in plan.layouts]
+  chosen = [j for j, layout in enumerate(plan.layouts)
+            if layout is not None and min(k_levels[j]) < layout.chunk_size]
+  chunks = [_own_chunk(moment[j], plan.layouts[j], worker) for j in chosen]
+  words = topk.chunks_topk_words(
+      [x for x, _ in chunks], [n for _, n in chunks],
+      [k_levels[j][level] for j in chosen],
+      [jnp.asarray(k_levels[j], jnp.int32)[next_level] for j in chosen],
+      select=hyper.select)
+  for j, w in zip(chosen, words):
+    out[j] = w[None]
+  return out
 
 
-def _next_own_mask(mt: jax.Array, layout: masks.LeafLayout, worker,
-                   k_levels: tuple, level: int, next_k: jax.Array,
-                   select: str) -> jax.Array:
-  """Top-k of |m~| in chunk `worker`, used at the next step: uint32[1, w].
-
-  `k_levels[level]` (static) is the top-k width; levels never increase, so
-  the next step's k (`next_k`, traced) is a prefix of it.
-  """
+def _own_chunk(mt: jax.Array, layout: masks.LeafLayout, worker):
+  """(chunk `worker` of the leaf, its number of real entries)."""
   chunk = layout.chunk_size
-  if min(k_levels) == chunk:  # dense at every level
-    return masks.pack_bits(jnp.ones((1, chunk), bool))
   flat = mt.reshape(-1)
   if layout.padded > layout.size:
     flat = jnp.pad(flat, (0, layout.padded - layout.size))
-  scores = jax.lax.dynamic_slice_in_dim(flat, worker * chunk, chunk)
-  num_valid = jnp.clip(layout.size - worker * chunk, 0, chunk)
-  return topk.chunk_topk_words(scores, num_valid, k_levels[level], next_k,
-                               select=select)[None]
+  return (jax.lax.dynamic_slice_in_dim(flat, worker * chunk, chunk),
+          jnp.clip(layout.size - worker * chunk, 0, chunk))
 
 
 # ----------------------------------------------------------------------------
