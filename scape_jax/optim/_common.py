@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from scape_jax.comm import masks, topk
 from scape_jax.comm.collectives import varying
 
 B1 = 0.9  # Decay rate of the first moment.
@@ -273,3 +274,27 @@ def leaves_named(parts: Sequence[str], where: str):
         tree)
 
   return named
+
+
+def next_chunk_masks(chunk_of: Callable, layouts, k_levels, level: int,
+                     next_level, select: str) -> list:
+  """Each compressed leaf's next own chunk mask, uint32[1, w] (None where
+  `layouts[j]` is None): the top-k of |scores| over the chunk
+  `chunk_of(j)` = (scores, num_valid), all leaves in one
+  `topk.chunks_topk_words` call (the radix selects take them in one set of
+  passes). `k_levels[j][level]` (static) is the top-k width; levels never
+  increase, so the next step's k (`next_level`, traced) is a prefix of it.
+  A leaf dense at every level gets all ones."""
+  out = [None if layout is None else masks.pack_bits(
+      jnp.ones((1, layout.chunk_size), bool)) for layout in layouts]
+  chosen = [j for j, layout in enumerate(layouts)
+            if layout is not None and min(k_levels[j]) < layout.chunk_size]
+  chunks = [chunk_of(j) for j in chosen]
+  words = topk.chunks_topk_words(
+      [x for x, _ in chunks], [n for _, n in chunks],
+      [k_levels[j][level] for j in chosen],
+      [jnp.asarray(k_levels[j], jnp.int32)[next_level] for j in chosen],
+      select=select)
+  for j, w in zip(chosen, words):
+    out[j] = w[None]
+  return out

@@ -473,27 +473,15 @@ def _direction(mu_prev, bbar, gbar, count, hyper, in_mask, variant_state,
 
 def _next_own_masks(moment, plan, k_levels, level, next_level, hyper,
                     shift=None):
-  """This worker's next chunk mask per compressed leaf, uint32[1, w]: top-k
-  of |m~| in chunk n for worker n, or (n + shift) % N ('local_adam_rotating'),
-  of width k_levels[j][level] (static; levels never increase, so the next
-  k, traced, is a prefix of it), all leaves in one `chunks_topk_words`."""
+  """This worker's next chunk mask per compressed leaf: of chunk n for
+  worker n, or (n + shift) % N ('local_adam_rotating')."""
   worker = (0 if hyper.axis_name is None else
             jax.lax.axis_index(hyper.axis_name))
   if shift is not None:
     worker = (worker + shift) % plan.num_workers
-  out = [None if layout is None else masks.pack_bits(  # dense at every level
-      jnp.ones((1, layout.chunk_size), bool)) for layout in plan.layouts]
-  chosen = [j for j, layout in enumerate(plan.layouts)
-            if layout is not None and min(k_levels[j]) < layout.chunk_size]
-  chunks = [_own_chunk(moment[j], plan.layouts[j], worker) for j in chosen]
-  words = topk.chunks_topk_words(
-      [x for x, _ in chunks], [n for _, n in chunks],
-      [k_levels[j][level] for j in chosen],
-      [jnp.asarray(k_levels[j], jnp.int32)[next_level] for j in chosen],
-      select=hyper.select)
-  for j, w in zip(chosen, words):
-    out[j] = w[None]
-  return out
+  return _common.next_chunk_masks(
+      lambda j: _own_chunk(moment[j], plan.layouts[j], worker), plan.layouts,
+      k_levels, level, next_level, hyper.select)
 
 
 def _own_chunk(mt: jax.Array, layout: masks.LeafLayout, worker):

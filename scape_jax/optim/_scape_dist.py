@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import optax
 
 from scape_jax.comm import masks
-from scape_jax.comm import topk
 from scape_jax.comm.axes import DATA
 from scape_jax.comm.collectives import all_gather_invariant, varying
 from scape_jax.optim import _common
@@ -181,11 +180,11 @@ def _update_at_level(grads, state: ScaleByScapeDistState, level: int, *,
   direction = _gather_direction(direction, own, offsets, plan, hyper.axis_name)
 
   vary = functools.partial(varying, axis_name=hyper.axis_name)
-  next_masks = [None if lay is None else _next_own_mask(
-      o.moment, lay, worker, k_levels[j], level,
-      jnp.asarray(k_levels[j], jnp.int32)[schedule.level(state.count + 1)],
-      hyper.select)
-                for j, (o, lay) in enumerate(zip(own, plan.layouts))]
+  next_masks = _common.next_chunk_masks(  # Algorithm 1's, from own m~
+      lambda j: (own[j].moment, jnp.clip(
+          plan.layouts[j].size - worker * plan.layouts[j].chunk_size, 0,
+          plan.layouts[j].chunk_size)), plan.layouts, k_levels, level,
+      schedule.level(state.count + 1), hyper.select)
   per_leaf = lambda fn: plan.treedef.unflatten(  # noqa: E731
       [optax.MaskedNode() if lay is None else vary(fn(o, m))
        for o, m, lay in zip(own, next_masks, plan.layouts)])
@@ -310,16 +309,6 @@ def _gather_direction(direction, own, offsets, plan, axis_name) -> list:
       full[j] = masks.scatter_at(part.reshape(-1), layout,
                                  offsets[j].offsets, shape)
   return full
-
-
-def _next_own_mask(moment, layout, worker, k_levels, level, next_k, select):
-  """Algorithm 1's next own chunk mask, from m~ on the own chunk."""
-  chunk = layout.chunk_size
-  if min(k_levels) == chunk:  # dense at every level
-    return masks.pack_bits(jnp.ones((1, chunk), bool))
-  num_valid = jnp.clip(layout.size - worker * chunk, 0, chunk)
-  return topk.chunk_topk_words(moment, num_valid, k_levels[level], next_k,
-                               select=select)[None]
 
 
 def scape_dist(
