@@ -80,5 +80,5 @@ def test_every_leaf_in_one_set_of_passes():
   text = jax.jit(lambda g, s, p: tx.update(g, s, p, density_level=1)).trace(
       params, state, params).lower(lowering_platforms=('cuda',)).as_text()
   calls = re.findall(r'call @(count_rows|mask_rows)\w*\(', text)
-  assert calls.count('count_rows') == topk.RADIX_PASSES + 1, calls
+  assert calls.count('count_rows') == radix.RADIX_PASSES + 1, calls
   assert calls.count('mask_rows') == 1, calls

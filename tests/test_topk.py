@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from scape_jax.comm import masks, topk
+from scape_jax.comm import masks, radix, topk
 
 NAN_KEY = 0x7F800001
 
@@ -219,8 +219,8 @@ def test_radix_lowers_without_loops_or_branches_and_pins_any_key():
   # RADIX_PASSES narrow [PAD_KEY, NAN_KEY + 1) to one key, one pass fewer
   # would not.
   span = topk.NAN_KEY + 1 - topk.PAD_KEY
-  assert span <= topk.RADIX ** topk.RADIX_PASSES
-  assert span > topk.RADIX ** (topk.RADIX_PASSES - 1)
+  assert span <= radix.RADIX ** radix.RADIX_PASSES
+  assert span > radix.RADIX ** (radix.RADIX_PASSES - 1)
 
 
 def test_radix_on_keys_spread_over_every_binade():

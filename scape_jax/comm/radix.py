@@ -71,9 +71,6 @@ def _layout(sizes: Sequence[int]) -> _Rows:
   starts = np.concatenate([[0], np.cumsum(rows)[:-1]])
   chunk_of = np.repeat(np.arange(len(sizes)), rows // BLOCK_ROWS)
   row0 = np.concatenate([np.arange(0, r, BLOCK_ROWS) for r in rows])
-  if rows.sum() * ROW >= 1 << 31:
-    raise ValueError(f'radix selection: {int(rows.sum()) * ROW} entries in '
-                     'one call; at most 2**31 - 1.')
   return _Rows(rows, starts, chunk_of.astype(np.int32),
                row0.astype(np.int32))
 

@@ -65,7 +65,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from scape_jax.comm import radix
-from scape_jax.comm.radix import RADIX, RADIX_PASSES  # noqa: F401
 from scape_jax.kernels import topk_mask
 from scape_jax.kernels._common import same_varying
 from scape_jax.kernels.topk_mask import NAN_KEY, PAD_KEY, ROW, magnitude_key
