@@ -13,7 +13,7 @@ from scape_jax.comm import radix, topk
 from tests.test_topk import _data, _numpy_words
 
 # Sizes off the block (4096) and the row (128), one chunk of one entry.
-SIZES = (37, 4096, 9000, 1, 20_011, 300)
+SIZES = (37, 4096, 9000, 1, 300)
 
 
 def _chunks(seed, kinds):
@@ -50,9 +50,10 @@ def test_many_chunks_with_nan_and_inf_and_every_binade():
   x[rng.choice(9000, 30, replace=False)] = np.inf
   y = rng.normal(size=5000).astype(np.float32)
   y[rng.choice(5000, 40, replace=False)] = np.nan
+  run = jax.jit(lambda xs, ks: radix.radix_topk_words_many(
+      xs, [9000, 5000], ks))
   for ks in ((1, 1), (29, 39), (31, 41), (4500, 4999)):
-    got = radix.radix_topk_words_many([jnp.asarray(x), jnp.asarray(y)],
-                                      [9000, 5000], ks)
+    got = run([jnp.asarray(x), jnp.asarray(y)], jnp.asarray(ks))
     for data, k, words in zip((x, y), ks, got):
       np.testing.assert_array_equal(np.asarray(words),
                                     _numpy_words(data, data.size, k))
