@@ -541,7 +541,7 @@ def test_pallas_select_lowers_the_update_for_cuda():
   text = step.trace(put(params, P()), put(state, specs), grads).lower(
       lowering_platforms=('cuda',)).as_text()
   assert '__gpu$xla.gpu.triton' in text
-  assert 'scape_count_at_least' in text and 'scape_threshold_mask_words' in text
+  assert 'scape_count_rows' in text and 'scape_mask_rows' in text
 
 
 @pytest.mark.parametrize('density', [0.0, -0.1, 1.5, float('nan'), '0.1', True])

@@ -1,4 +1,5 @@
-"""Shared by the kernels: the per-platform pallas_call and 32-bit packing.
+"""Shared by the kernels: the magnitude key, the per-platform pallas_call
+and 32-bit packing.
 
 Blocks are rows of `ROW` = 128 elements (a TPU lane width, a power of two for
 Triton), `BLOCK_ROWS` rows at a time; a row packs into `ROW // 32` words.
@@ -13,6 +14,22 @@ ROW = 128  # elements per row
 WORDS_PER_ROW = ROW // 32
 BLOCK_ROWS = 32  # rows per block: 4096 elements (16 KiB of fp32)
 NUM_WARPS = 4  # Triton warps per block
+
+
+NAN_KEY = 0x7F800001  # every NaN: just above +inf (0x7F800000)
+PAD_KEY = -1  # padding: below +0.0 (key 0)
+
+
+def magnitude_key(x: jax.Array) -> jax.Array:
+  """int32 key of |x| that orders like |x|; every NaN ranks above +-inf.
+
+  For non-negative floats the bit pattern orders like the value, so the key
+  is the fp32 bit pattern with the sign cleared: -0.0 and +0.0 tie, denormals
+  sit between 0 and the normals, +-inf is 0x7F800000, and every NaN,
+  whatever its sign and payload, is `NAN_KEY`, just above.
+  """
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  return jnp.minimum(bits & 0x7FFFFFFF, NAN_KEY)
 
 
 def pallas_call(kernel, *, interpret: bool, **kwargs):

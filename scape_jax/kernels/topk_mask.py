@@ -16,6 +16,10 @@ padding, key `PAD_KEY`, below every real entry.
     key_i >= hi, or lo <= key_i < hi and i < cut: uint32[ceil(c / 32)], bit
     i in word i // 32 at position i % 32 (`comm.masks.pack_bits`' layout).
 
+Both run the kernels of `topk_segments` with one chunk (each block's
+first row and the chunk's num_valid as its parameters), where the radix
+selects give them many chunks at once.
+
 GPU backend: Triton, not Mosaic GPU (`_common.pallas_call`). Both passes are
 bandwidth-bound elementwise loops with a row reduction over 2D blocks, which
 Triton compiles for every CUDA GPU from Ampere on; Mosaic GPU's strengths
@@ -28,26 +32,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
-from scape_jax.kernels._common import (BLOCK_ROWS, ROW, WORDS_PER_ROW,
-                                       out_struct, pack_rows, pallas_call,
-                                       row_blocks, same_varying)
-
-NAN_KEY = 0x7F800001  # every NaN: just above +inf (0x7F800000)
-PAD_KEY = -1  # padding: below +0.0 (key 0)
-
-
-def magnitude_key(x: jax.Array) -> jax.Array:
-  """int32 key of |x| that orders like |x|; every NaN ranks above +-inf.
-
-  For non-negative floats the bit pattern orders like the value, so the key
-  is the fp32 bit pattern with the sign cleared: -0.0 and +0.0 tie, denormals
-  sit between 0 and the normals, +-inf is 0x7F800000, and every NaN,
-  whatever its sign and payload, is `NAN_KEY`, just above.
-  """
-  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-  return jnp.minimum(bits & 0x7FFFFFFF, NAN_KEY)
+from scape_jax.kernels import topk_segments
+# NAN_KEY, PAD_KEY and magnitude_key are read from here by the callers.
+from scape_jax.kernels._common import (BLOCK_ROWS, NAN_KEY, PAD_KEY,  # noqa: F401
+                                       ROW, magnitude_key, row_blocks)
 
 
 def as_float_key(keys: jax.Array) -> jax.Array:
@@ -62,15 +51,6 @@ def as_float_key(keys: jax.Array) -> jax.Array:
                    jax.lax.bitcast_convert_type(keys, jnp.float32))
 
 
-def _block_keys(x_ref, num_valid):
-  """Keys and chunk offsets of this block of rows; PAD_KEY from num_valid."""
-  shape = x_ref.shape
-  row = pl.program_id(0) * shape[0] + jax.lax.broadcasted_iota(
-      jnp.int32, shape, 0)
-  index = row * ROW + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-  return jnp.where(index < num_valid, magnitude_key(x_ref[...]), PAD_KEY), index
-
-
 def as_rows(x: jax.Array, rows_multiple: int = BLOCK_ROWS) -> jax.Array:
   """float[c] -> float32[R, ROW], zero padded; R a multiple of rows_multiple."""
   return row_blocks(x.astype(jnp.float32)[None], rows_multiple)[0]
@@ -78,18 +58,6 @@ def as_rows(x: jax.Array, rows_multiple: int = BLOCK_ROWS) -> jax.Array:
 
 # ----------------------------------------------------------------------------
 # The counting pass.
-
-
-def _count_kernel(params_ref, x_ref, o_ref):
-  """o[r, j] = #{keys of row r >= params[1 + j]}; params[0] = num_valid."""
-  keys, _ = _block_keys(x_ref, params_ref[0])
-  shape = o_ref.shape
-  column = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-  out = jnp.zeros(shape, jnp.int32)
-  for j in range(shape[1]):
-    count = jnp.sum((keys >= params_ref[1 + j]).astype(jnp.int32), axis=1)
-    out = jnp.where(column == j, count[:, None], out)
-  o_ref[...] = out
 
 
 @functools.partial(jax.jit, static_argnames=('interpret',))
@@ -108,28 +76,21 @@ def count_at_least(x: jax.Array, num_valid, thresholds: jax.Array, *,
     int32[R, P], R = ceil(c / ROW) rounded up to whole blocks of
     BLOCK_ROWS rows; rows past the chunk hold padding only.
   """
+  rows, row0, num_valid = _one_chunk(x, num_valid)
+  thresholds = jnp.broadcast_to(jnp.asarray(thresholds, jnp.int32),
+                                (row0.shape[0], thresholds.shape[0]))
+  return topk_segments.count_rows(rows, row0, num_valid, thresholds,
+                                  interpret=interpret)
+
+
+def _one_chunk(x, num_valid):
+  """The chunk as rows, and per block its first row and num_valid (the
+  kernels of `topk_segments` with one chunk)."""
   rows = as_rows(x)
+  blocks = rows.shape[0] // BLOCK_ROWS
   num_valid = jnp.minimum(num_valid, x.shape[0])  # nothing past the chunk
-  given = thresholds.shape[0]
-  # Triton blocks hold a power-of-two number of elements: repeat the last
-  # threshold up to one, and drop its columns after.
-  num_thresholds = 1 << max(given - 1, 0).bit_length()
-  thresholds = jnp.pad(thresholds.astype(jnp.int32),
-                       (0, num_thresholds - given), mode='edge')
-  params, rows = same_varying(
-      jnp.concatenate([jnp.asarray(num_valid, jnp.int32)[None], thresholds]),
-      rows)
-  counts = pallas_call(
-      _count_kernel,
-      grid=(rows.shape[0] // BLOCK_ROWS,),
-      in_specs=[pl.BlockSpec((num_thresholds + 1,), lambda i: (0,)),
-                pl.BlockSpec((BLOCK_ROWS, ROW), lambda i: (i, 0))],
-      out_specs=pl.BlockSpec((BLOCK_ROWS, num_thresholds), lambda i: (i, 0)),
-      out_shape=out_struct((rows.shape[0], num_thresholds), jnp.int32, rows),
-      interpret=interpret,
-      name='scape_count_at_least',
-  )(params, rows)
-  return counts[:, :given]
+  return (rows, jnp.arange(blocks, dtype=jnp.int32) * BLOCK_ROWS,
+          jnp.full((blocks,), num_valid, jnp.int32))
 
 
 def count_at_least_reference(x: jax.Array, num_valid,
@@ -145,14 +106,6 @@ def count_at_least_reference(x: jax.Array, num_valid,
 
 # ----------------------------------------------------------------------------
 # The mask pass.
-
-
-def _mask_kernel(params_ref, x_ref, o_ref):
-  """The chosen bits of a block of rows, packed 32 to a word."""
-  num_valid, lo, hi, cut = (params_ref[i] for i in range(4))
-  keys, index = _block_keys(x_ref, num_valid)
-  chosen = (keys >= hi) | ((keys >= lo) & (index < cut))
-  o_ref[...] = pack_rows(chosen.astype(jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=('interpret',))
@@ -172,23 +125,11 @@ def threshold_mask_words(x: jax.Array, num_valid, lo, hi, cut, *,
     uint32[ceil(c / 32)]: bit i of the chunk in word i // 32, bit i % 32.
   """
   c = x.shape[0]
-  rows = as_rows(x)
+  rows, row0, num_valid = _one_chunk(x, num_valid)
   cut = jnp.minimum(cut, c)  # no bit past the chunk (lo may be PAD_KEY)
-  num_valid = jnp.minimum(num_valid, c)  # nor from num_valid > c
-  params, rows = same_varying(
-      jnp.stack([jnp.asarray(v, jnp.int32)
-                 for v in (num_valid, lo, hi, cut)]), rows)
-  words = pallas_call(
-      _mask_kernel,
-      grid=(rows.shape[0] // BLOCK_ROWS,),
-      in_specs=[pl.BlockSpec((4,), lambda i: (0,)),
-                pl.BlockSpec((BLOCK_ROWS, ROW), lambda i: (i, 0))],
-      out_specs=pl.BlockSpec((BLOCK_ROWS, WORDS_PER_ROW), lambda i: (i, 0)),
-      out_shape=out_struct((rows.shape[0], WORDS_PER_ROW), jnp.int32, rows),
-      interpret=interpret,
-      name='scape_threshold_mask_words',
-  )(params, rows)
-  words = jax.lax.bitcast_convert_type(words, jnp.uint32)
+  lo, hi, cut = (jnp.full(row0.shape, v, jnp.int32) for v in (lo, hi, cut))
+  words = topk_segments.mask_rows(rows, row0, num_valid, lo, hi, cut,
+                                  interpret=interpret)
   return words.reshape(-1)[:-(-c // 32)]
 
 

@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from scape_jax.kernels._common import (BLOCK_ROWS, ROW, WORDS_PER_ROW,
+from scape_jax.kernels._common import (BLOCK_ROWS, PAD_KEY, ROW,
+                                       WORDS_PER_ROW, magnitude_key,
                                        out_struct, pack_rows, pallas_call,
                                        same_varying)
-from scape_jax.kernels.topk_mask import PAD_KEY, magnitude_key
 
 
 def _power_of_two(n: int) -> int:
