@@ -6,13 +6,13 @@
 #   bash bench/gpu_checks.sh select [OUT]    # per-chunk times + profiles
 #   bash bench/gpu_checks.sh update [OUT]    # the overhead table + GPU tests
 #
-# SELECTS (default 'sort_keys pallas_radix') names the candidates beside
-# 'sort' and 'auto'. OUT (default runs/gpu) gets each step's log and
+# SELECTS (default 'pallas_radix radix'; the third session ran
+# 'sort_keys pallas_radix') names the candidates beside 'sort' and 'auto'. OUT (default runs/gpu) gets each step's log and
 # table, and gpu_checks.tgz with all of them.
 set -u
 step=${1:?usage: bash bench/gpu_checks.sh select|update [OUT]}
 out=${2:-${OUT:-runs/gpu}}
-selects=${SELECTS:-sort_keys pallas_radix}
+selects=${SELECTS:-pallas_radix radix}
 work=$(mktemp -d)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
