@@ -285,10 +285,11 @@ def next_chunk_masks(chunk_of: Callable, layouts, k_levels, level: int,
   passes). `k_levels[j][level]` (static) is the top-k width; levels never
   increase, so the next step's k (`next_level`, traced) is a prefix of it.
   A leaf dense at every level gets all ones."""
-  out = [None if layout is None else masks.pack_bits(
-      jnp.ones((1, layout.chunk_size), bool)) for layout in layouts]
   chosen = [j for j, layout in enumerate(layouts)
             if layout is not None and min(k_levels[j]) < layout.chunk_size]
+  out = [None if layout is None or j in chosen else masks.pack_bits(
+      jnp.ones((1, layout.chunk_size), bool))
+         for j, layout in enumerate(layouts)]
   chunks = [chunk_of(j) for j in chosen]
   words = topk.chunks_topk_words(
       [x for x, _ in chunks], [n for _, n in chunks],
