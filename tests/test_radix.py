@@ -1,5 +1,7 @@
 """Many chunks in one set of radix passes ('radix', 'pallas_radix'): each
-chunk's words against NumPy, and SCAPE's update with them against 'sort'."""
+chunk's words against NumPy, and one launch per pass for an update's
+leaves. (SCAPE's updates with the radix selects against the other selects:
+tests/test_scape.py and tests/test_alg2.py.)"""
 
 import re
 
