@@ -66,8 +66,8 @@ import numpy as np
 
 from scape_jax.comm import radix
 from scape_jax.kernels import topk_mask
-from scape_jax.kernels._common import same_varying
-from scape_jax.kernels.topk_mask import NAN_KEY, PAD_KEY, ROW, magnitude_key
+from scape_jax.kernels._common import ROW, same_varying
+from scape_jax.kernels.topk_mask import NAN_KEY, PAD_KEY, magnitude_key
 
 SELECTS = ('auto', 'sort', 'sort_keys', 'threshold', 'pallas', 'radix',
            'pallas_radix')
@@ -110,8 +110,7 @@ def chunk_topk_words(scores: jax.Array, num_valid, width: int, k, *,
   """
   check_select(select, 'chunk_topk_words')
   c = scores.shape[0]
-  if not 1 <= width <= c:
-    raise ValueError(f'chunk_topk_words: width={width} must be in [1, {c}].')
+  _check_width(width, c, 'chunk_topk_words')
   k = jnp.asarray(k, jnp.int32)
   num_valid = jnp.asarray(num_valid, jnp.int32)
   if select == 'auto' and width <= AUTO_SORT_MAX_WIDTH.get(
@@ -140,11 +139,14 @@ def chunks_topk_words(scores: Sequence[jax.Array], num_valid: Sequence,
     return [chunk_topk_words(x, n, w, k, select=select)
             for x, n, w, k in zip(scores, num_valid, widths, ks)]
   for x, w in zip(scores, widths):
-    if not 1 <= w <= x.shape[0]:
-      raise ValueError(f'chunks_topk_words: width={w} must be in '
-                       f'[1, {x.shape[0]}].')
+    _check_width(w, x.shape[0], 'chunks_topk_words')
   return radix.radix_topk_words_many(
       scores, num_valid, ks, use_pallas=select == 'pallas_radix')
+
+
+def _check_width(width: int, c: int, where: str) -> None:
+  if not 1 <= width <= c:
+    raise ValueError(f'{where}: width={width} must be in [1, {c}].')
 
 
 def backend_platform() -> str:

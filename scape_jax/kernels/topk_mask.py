@@ -34,9 +34,9 @@ import jax
 import jax.numpy as jnp
 
 from scape_jax.kernels import topk_segments
-# NAN_KEY, PAD_KEY and magnitude_key are read from here by the callers.
+# NAN_KEY (unused here), PAD_KEY and magnitude_key: callers read them here.
 from scape_jax.kernels._common import (BLOCK_ROWS, NAN_KEY, PAD_KEY,  # noqa: F401
-                                       ROW, magnitude_key, row_blocks)
+                                       magnitude_key, row_blocks)
 
 
 def as_float_key(keys: jax.Array) -> jax.Array:
