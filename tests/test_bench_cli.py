@@ -74,6 +74,9 @@ USAGE_ERRORS = [
      'name at least two selects'),
     ('select_crossover', 'main', ['--out', '{file}/x'], 'cannot create it'),
     ('update_profile', 'main', ['--calls', '0'], 'argument --calls'),
+    ('alloc_cost', 'main', ['--repeats', '0'], 'argument --repeats'),
+    ('alloc_cost', 'main', ['--sizes-mib', '0'], 'argument --sizes-mib'),
+    ('alloc_cost', 'main', ['--out', '{file}/x'], 'cannot create it'),
     ('update_profile', 'main', ['--top', '0'], 'argument --top'),
     ('update_phases', 'main', ['--repeats', '0'], 'argument --repeats'),
     ('update_temps', 'main', ['--src', '{missing}'],
@@ -195,6 +198,24 @@ def test_select_crossover_writes_its_table_with_its_command(tmp_path,
 def test_update_profile_names_a_bad_method(label, message):
   with pytest.raises(SystemExit, match=re.escape(message)):
     _main('update_profile', 'method')(label)
+
+
+def test_update_profile_counts_ops_running_at_once():
+  # us: A [0, 10) and B [5, 15) overlap; C [20, 30) runs alone after a gap;
+  # the while loop around them and the end marker are not ops.
+  events = [{'name': 'a_fusion.3', 'ts': 0, 'dur': 10},
+            {'name': 'b_fusion', 'ts': 5, 'dur': 10},
+            {'name': 'c_fusion.1', 'ts': 20, 'dur': 10},
+            {'name': 'while.2', 'ts': 0, 'dur': 30},
+            {'name': 'end: a_fusion.3', 'ts': 10, 'dur': 1}]
+  got = _main('update_profile', 'concurrency')(events, 1)
+  assert got['alone'] == [('c_fusion', 0.01), ('a_fusion', 0.005),
+                          ('b_fusion', 0.005)]
+  del got['alone']
+  assert got == pytest.approx({'span': 0.03, 'idle': 0.005, 'one': 0.02,
+                               'several': 0.005, 'busy': 0.03})
+  halved = _main('update_profile', 'concurrency')(events, 2)
+  assert halved['one'] == pytest.approx(0.01)
 
 
 def _tiny_tree(name, seed=0):
