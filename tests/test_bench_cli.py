@@ -9,6 +9,7 @@ import re
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,6 +76,8 @@ USAGE_ERRORS = [
     ('select_crossover', 'main', ['--out', '{file}/x'], 'cannot create it'),
     ('update_profile', 'main', ['--calls', '0'], 'argument --calls'),
     ('alloc_cost', 'main', ['--repeats', '0'], 'argument --repeats'),
+    ('sample_size', 'main', ['--samples', '0'], 'argument --samples'),
+    ('sample_size', 'main', ['--densities', '2'], 'density 2.0'),
     ('alloc_cost', 'main', ['--sizes-mib', '0'], 'argument --sizes-mib'),
     ('alloc_cost', 'main', ['--out', '{file}/x'], 'cannot create it'),
     ('update_profile', 'main', ['--top', '0'], 'argument --top'),
@@ -223,6 +226,26 @@ def _tiny_tree(name, seed=0):
   keys = jax.random.split(jax.random.key(seed), 2)
   return tuple({'w': scale * jax.random.normal(k, (64, 48))}
                for scale, k in zip((0.02, 1e-3), keys))
+
+
+def test_sample_size_times_each_sample_and_restores_the_default(
+    monkeypatch):
+  bench = importlib.import_module('sample_size')
+  topk = importlib.import_module('scape_jax.comm.topk')
+  default = topk.SAMPLE
+  leaves = [np.random.default_rng(0).normal(size=(300, 200)).astype(
+      np.float32)]
+  ms = bench.measure(leaves, [(1, 0.1), (2, 0.5)], [4096, 64], 1)
+  assert sorted(ms) == [(64, (1, 0.1)), (64, (2, 0.5)), (4096, (1, 0.1)),
+                        (4096, (2, 0.5))]
+  assert topk.SAMPLE == default
+  # A sample size that changed the bits would be reported.
+  real = bench.selection
+  monkeypatch.setattr(bench, 'selection', lambda xs, n, d: real(
+      xs, n, d if topk.SAMPLE == 4096 else d / 2))
+  with pytest.raises(AssertionError, match='SAMPLE=64 changed the bits'):
+    bench.measure(leaves, [(1, 0.1)], [4096, 64], 1)
+  assert topk.SAMPLE == default
 
 
 def test_quick_keeps_the_options_given(tmp_path, monkeypatch):

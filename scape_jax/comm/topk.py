@@ -82,7 +82,7 @@ AUTO_SELECT = {'cpu': 'threshold', 'cuda': 'sort', 'rocm': 'sort',
 # only: `bench/select_crossover.py`; no entry: never).
 AUTO_SORT_MAX_WIDTH = {'cpu': 1024}
 RADIX_SELECTS = ('radix', 'pallas_radix')  # every chunk in one set of passes
-SAMPLE = 1 << 14  # sampled keys that steer the first passes
+SAMPLE = 1 << 12  # sampled keys that steer the first passes (docs/design.md)
 FINISH = 512  # keys left in the bracket when their rows are gathered and sorted
 _FILL_KEY = PAD_KEY - 1  # below every key: rows gathered past the chunk
 
