@@ -5,8 +5,9 @@ Runs `bench/optimizer_overhead.py`'s update of one method on one tree under
 each op name, summed over its events, with the event count per call: a
 while loop's host round trips show as many small copies. Then how busy the
 threads were (`concurrency`): the time per call with no op, one op and
-several ops running, and the ops that ran alone the longest (on XLA:CPU each
-op runs on one thread; two ops of different leaves can run side by side).
+several ops running, and the ops that ran alone the longest (an XLA:CPU
+trace shows each op as one event on one thread; ops of different leaves can
+run side by side).
 Writes the tables and the perfetto trace to --out.
 
   JAX_PLATFORMS=cuda python bench/update_profile.py --method 'scape d=0.1'
