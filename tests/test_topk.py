@@ -302,9 +302,24 @@ def test_the_search_needs_few_passes(kind, monkeypatch):
   x = _data('normal' if kind == 'binades' else kind, c, rng)
   if kind == 'binades':
     x = np.ldexp(1.0, -rng.integers(0, 100, c)).astype(np.float32)
-  bound = 6  # 2 to 4 counting passes measured at these seeds
+  bound = 6  # 1 to 3 counting passes measured at these seeds
   for k in (c // 10, c // 100, 1):
     assert _passes(x, k, monkeypatch) <= bound, (kind, k)
+
+
+@pytest.mark.parametrize('stride', [7, 9])
+def test_the_finish_makes_no_counting_pass_of_its_own(stride, monkeypatch):
+  # A chunk sampled whole: the first probes pin T, which is tied with
+  # c / stride entries: more than FINISH of them (stride 7: the tie cut)
+  # or fewer (stride 9: the candidates' rows). Either finish reuses the
+  # per-row counts of the pass that set the bracket: one pass in all.
+  x = np.random.default_rng(stride).normal(size=topk.SAMPLE).astype(
+      np.float32)
+  x[::stride] = x[0]
+  ties = topk.SAMPLE // stride + 1
+  assert (ties > topk.FINISH) == (stride == 7)
+  k = int(np.sum(np.abs(x) > abs(x[0]))) + ties // 2  # T = |x[0]|
+  assert _passes(x, k, monkeypatch) == 1
 
 
 

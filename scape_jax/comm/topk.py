@@ -345,8 +345,8 @@ def threshold_topk_words(scores, num_valid, k, *,
                          use_pallas: bool = False) -> jax.Array:
   """The 'threshold' ('pallas' with `use_pallas`) selection."""
   passes = _passes(scores, num_valid, use_pallas)
-  bracket = _search(passes, scores.shape[0], k)
-  lo, hi, cut = _finish(passes, bracket, k)
+  bracket, counts = _search(passes, scores.shape[0], k)
+  lo, hi, cut = _finish(passes, bracket, k, counts)
   return passes.emit(lo, hi, cut)
 
 
@@ -368,12 +368,21 @@ def _open(b: _Bracket, k) -> jax.Array:
           & (b.c_lo - b.c_hi > FINISH))
 
 
-def _probe(passes: _Passes, b: _Bracket, k, low, high) -> _Bracket:
-  """Counts keys >= two thresholds (low <= high) in one pass; narrows b."""
+def _probe(passes: _Passes, b: _Bracket, counts, k, low, high) -> tuple:
+  """Counts keys >= two thresholds (low <= high) in one pass; narrows b.
+  Returns the new bracket and its per-row counts (`counts`: b's, int32[rows,
+  2], as `passes.count(b.lo, b.hi)` gives them)."""
   low = jnp.clip(low, b.lo + 1, b.hi - 1)
   high = jnp.clip(high, low, b.hi - 1)
-  c_low, c_high = jnp.sum(passes.count(low, high), axis=0)
-  return _Bracket(
+  new = passes.count(low, high)
+  c_low, c_high = jnp.sum(new, axis=0)
+  above_low, above_high = c_low >= k, c_high >= k
+  counts = jnp.stack([
+      jnp.where(above_high, new[:, 1], jnp.where(above_low, new[:, 0],
+                                                 counts[:, 0])),
+      jnp.where(above_high, counts[:, 1], jnp.where(above_low, new[:, 1],
+                                                    new[:, 0]))], axis=1)
+  return counts, _Bracket(
       lo=jnp.where(c_high >= k, high, jnp.where(c_low >= k, low, b.lo)),
       hi=jnp.where(c_high >= k, b.hi, jnp.where(c_low >= k, high, low)),
       c_lo=jnp.where(c_high >= k, c_high, jnp.where(c_low >= k, c_low,
@@ -426,7 +435,7 @@ def _sample_probes(sample, c: int, b: _Bracket, k):
           inside >= 16)
 
 
-def _search(passes: _Passes, c: int, k) -> _Bracket:
+def _search(passes: _Passes, c: int, k) -> tuple:
   """Narrows the bracket until T is pinned (hi = lo + 1), every key in it
   is taken (c_lo = k) or at most FINISH keys are left in it. Each step is
   one counting pass with two probes:
@@ -439,15 +448,22 @@ def _search(passes: _Passes, c: int, k) -> _Bracket:
     * after two passes that halved neither the keys left nor the key range,
       a ternary split of the key range, so that no input takes more than
       about 60 passes.
+
+  Returns the bracket and its per-row counts (`passes.count(lo, hi)`),
+  kept from the passes that set lo and hi, so that `_finish` need not
+  count again.
   """
   sample = passes.sample()
   # full_like: the loop state takes the shard_map type of the data and k.
   like, _ = same_varying(sample[0], k)
   start = _Bracket(*(jnp.full_like(like, v) for v in (
       PAD_KEY, NAN_KEY + 1, passes.rows * ROW, 0)))
+  # Every key (the rows' padding holds PAD_KEY) is >= PAD_KEY; none >= hi.
+  counts = jnp.zeros((passes.rows, 2), jnp.int32) + jnp.stack(
+      [jnp.full_like(like, ROW), jnp.zeros_like(like)])
 
   def step(carry):
-    b, stalls, widen = carry
+    b, counts, stalls, widen = carry
     sample_low, sample_high, sampled = _sample_probes(sample, c, b, k)
     spread = widen * (2.0 * jnp.sqrt((b.c_lo - b.c_hi).astype(jnp.float32))
                       + 1.0)
@@ -456,37 +472,37 @@ def _search(passes: _Passes, c: int, k) -> _Bracket:
     modes = [stalls >= 2, sampled]
     low = jnp.select(modes, [b.lo + third, sample_low], line_low)
     high = jnp.select(modes, [b.hi - third, sample_high], line_high)
-    new = _probe(passes, b, k, low, high)
+    counts, new = _probe(passes, b, counts, k, low, high)
     progress = ((2 * (new.c_lo - new.c_hi) <= b.c_lo - b.c_hi)
                 | (2 * (new.hi - new.lo) <= b.hi - b.lo))
     straddled = (new.lo != b.lo) & (new.hi != b.hi)  # T between the probes
-    return (new, jnp.where(progress, 0, stalls + 1),
+    return (new, counts, jnp.where(progress, 0, stalls + 1),
             jnp.where(straddled, 1.0, 4.0 * widen))
 
-  last, _, _ = jax.lax.while_loop(
+  last, counts, _, _ = jax.lax.while_loop(
       lambda carry: _open(carry[0], k), step,
-      (start, jnp.zeros_like(like), jnp.full_like(like, 1.0, jnp.float32)))
-  return last
+      (start, counts, jnp.zeros_like(like),
+       jnp.full_like(like, 1.0, jnp.float32)))
+  return last, counts
 
 
-def _finish(passes: _Passes, b: _Bracket, k):
+def _finish(passes: _Passes, b: _Bracket, k, counts):
   """(lo, hi, cut) for the mask pass: all keys >= hi, and the keys in
-  [lo, hi) at offsets < cut; exactly k in all."""
+  [lo, hi) at offsets < cut; exactly k in all (`counts`: b's per-row
+  counts)."""
   every = jnp.full_like(b.lo, passes.rows * ROW)
   case = jnp.where(b.c_lo == k, 0, jnp.where(b.c_lo - b.c_hi <= FINISH, 1, 2))
   return jax.lax.switch(case, [
       lambda: (b.lo, b.hi, every),  # [lo, hi) is taken whole
-      lambda: _candidates(passes, b, k),  # few keys left: sort them
-      lambda: (b.lo, b.hi, _tie_cut(passes, b, k)),  # hi = lo + 1 = T + 1
+      lambda: _candidates(passes, b, k, counts),  # few keys left: sort them
+      lambda: (b.lo, b.hi, _tie_cut(passes, b, k, counts)),  # hi = T + 1
   ])
 
 
-def _tie_cut(passes: _Passes, b: _Bracket, k, counts=None) -> jax.Array:
+def _tie_cut(passes: _Passes, b: _Bracket, k, counts) -> jax.Array:
   """The offset just past the (k - c_hi)-th key in [lo, hi), by offset
-  (`counts`: `passes.count(b.lo, b.hi)`, if the caller has it)."""
+  (`counts`: `passes.count(b.lo, b.hi)`)."""
   need = k - b.c_hi
-  if counts is None:
-    counts = passes.count(b.lo, b.hi)
   row, before = _locate(counts[:, 0] - counts[:, 1], need)
   keys = passes.row_keys(row[None])[0]
   lane, _ = _locate(((keys >= b.lo) & (keys < b.hi)).astype(jnp.int32),
@@ -494,9 +510,9 @@ def _tie_cut(passes: _Passes, b: _Bracket, k, counts=None) -> jax.Array:
   return row * ROW + lane + 1
 
 
-def _candidates(passes: _Passes, b: _Bracket, k):
-  """T and its tie cut from the rows holding the <= FINISH keys in [lo, hi)."""
-  counts = passes.count(b.lo, b.hi)
+def _candidates(passes: _Passes, b: _Bracket, k, counts):
+  """T and its tie cut from the rows holding the <= FINISH keys in [lo, hi)
+  (`counts`: `passes.count(b.lo, b.hi)`)."""
   rows = _first_nonzero(counts[:, 0] - counts[:, 1], FINISH)
   keys = passes.row_keys(rows).reshape(-1)  # ascending offsets
   candidates = jnp.where((keys >= b.lo) & (keys < b.hi), keys, _FILL_KEY)
