@@ -383,12 +383,12 @@ def _probe(passes: _Passes, b: _Bracket, counts, k, low, high) -> tuple:
       jnp.where(above_high, counts[:, 1], jnp.where(above_low, new[:, 1],
                                                     new[:, 0]))], axis=1)
   return counts, _Bracket(
-      lo=jnp.where(c_high >= k, high, jnp.where(c_low >= k, low, b.lo)),
-      hi=jnp.where(c_high >= k, b.hi, jnp.where(c_low >= k, high, low)),
-      c_lo=jnp.where(c_high >= k, c_high, jnp.where(c_low >= k, c_low,
-                                                    b.c_lo)),
-      c_hi=jnp.where(c_high >= k, b.c_hi, jnp.where(c_low >= k, c_high,
-                                                    c_low)))
+      lo=jnp.where(above_high, high, jnp.where(above_low, low, b.lo)),
+      hi=jnp.where(above_high, b.hi, jnp.where(above_low, high, low)),
+      c_lo=jnp.where(above_high, c_high, jnp.where(above_low, c_low,
+                                                   b.c_lo)),
+      c_hi=jnp.where(above_high, b.c_hi, jnp.where(above_low, c_high,
+                                                   c_low)))
 
 
 def _value(key):
