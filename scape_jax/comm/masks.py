@@ -133,6 +133,10 @@ class LeafLayout:
     """32-bit words one worker contributes to the mask all-gather."""
     return self.wire_words(k, self.encoding(k, requested, offset_bits))
 
+  def num_valid(self, worker) -> jax.Array:
+    """Real entries in chunk `worker` (may be traced); the rest is padding."""
+    return jnp.clip(self.size - worker * self.chunk_size, 0, self.chunk_size)
+
   def to_chunks(self, x: jax.Array) -> jax.Array:
     """[*shape] -> [N, c], zero padded."""
     flat = x.reshape(-1)

@@ -28,6 +28,7 @@ from scape_jax.kernels._common import (BLOCK_ROWS, PAD_KEY, ROW,
                                        WORDS_PER_ROW, magnitude_key,
                                        out_struct, pack_rows, pallas_call,
                                        same_varying)
+from scape_jax.kernels.pack_bits import pack_bits_reference
 
 
 def _power_of_two(n: int) -> int:
@@ -54,6 +55,22 @@ def _block_keys(p_ref, x_ref):
   keys = jnp.where(index < p_ref[0, 0, 1], magnitude_key(x_ref[...]),
                    PAD_KEY)
   return keys, index
+
+
+def _per_block_call(kernel, params, x, width: int, name: str,
+                    interpret: bool) -> jax.Array:
+  """`kernel` over each block of rows with its row of params: int32[R,
+  width]."""
+  return pallas_call(
+      kernel,
+      grid=(x.shape[0] // BLOCK_ROWS,),
+      in_specs=[pl.BlockSpec((1, 1, params.shape[2]), lambda i: (i, 0, 0)),
+                pl.BlockSpec((BLOCK_ROWS, ROW), lambda i: (i, 0))],
+      out_specs=pl.BlockSpec((BLOCK_ROWS, width), lambda i: (i, 0)),
+      out_shape=out_struct((x.shape[0], width), jnp.int32, x),
+      interpret=interpret,
+      name=name,
+  )(params, x)
 
 
 def _check_rows(x: jax.Array, blocks: int, where: str) -> None:
@@ -98,16 +115,8 @@ def count_rows(x: jax.Array, row0, num_valid, thresholds: jax.Array, *,
   thresholds = jnp.pad(jnp.asarray(thresholds, jnp.int32),
                        ((0, 0), (0, num - given)), mode='edge')
   params, x = same_varying(_params(row0, num_valid, thresholds), x)
-  counts = pallas_call(
-      _count_kernel,
-      grid=(blocks,),
-      in_specs=[pl.BlockSpec((1, 1, params.shape[2]), lambda i: (i, 0, 0)),
-                pl.BlockSpec((BLOCK_ROWS, ROW), lambda i: (i, 0))],
-      out_specs=pl.BlockSpec((BLOCK_ROWS, num), lambda i: (i, 0)),
-      out_shape=out_struct((x.shape[0], num), jnp.int32, x),
-      interpret=interpret,
-      name='scape_count_rows',
-  )(params, x)
+  counts = _per_block_call(_count_kernel, params, x, num, 'scape_count_rows',
+                           interpret)
   return counts[:, :given]
 
 
@@ -170,20 +179,11 @@ def mask_rows(x: jax.Array, row0, num_valid, lo, hi, cut, *,
     uint32[B * BLOCK_ROWS, WORDS_PER_ROW]: row r's entry i in word i // 32,
     bit i % 32.
   """
-  blocks = jnp.shape(lo)[0]
-  _check_rows(x, blocks, 'mask_rows')
+  _check_rows(x, jnp.shape(lo)[0], 'mask_rows')
   params, x = same_varying(_params(row0, num_valid,
                                    jnp.stack([lo, hi, cut], axis=1)), x)
-  words = pallas_call(
-      _mask_kernel,
-      grid=(blocks,),
-      in_specs=[pl.BlockSpec((1, 1, params.shape[2]), lambda i: (i, 0, 0)),
-                pl.BlockSpec((BLOCK_ROWS, ROW), lambda i: (i, 0))],
-      out_specs=pl.BlockSpec((BLOCK_ROWS, WORDS_PER_ROW), lambda i: (i, 0)),
-      out_shape=out_struct((x.shape[0], WORDS_PER_ROW), jnp.int32, x),
-      interpret=interpret,
-      name='scape_mask_rows',
-  )(params, x)
+  words = _per_block_call(_mask_kernel, params, x, WORDS_PER_ROW,
+                          'scape_mask_rows', interpret)
   return jax.lax.bitcast_convert_type(words, jnp.uint32)
 
 
@@ -194,7 +194,4 @@ def mask_rows_reference(x, row0, num_valid, lo, hi, cut) -> jax.Array:
                                  jnp.asarray(num_valid, jnp.int32), lo)
   lo, hi, cut = (jnp.asarray(v, jnp.int32)[block][:, None]
                  for v in (lo, hi, cut))
-  chosen = (keys >= hi) | ((keys >= lo) & (index < cut))
-  bits = chosen.astype(jnp.uint32).reshape(x.shape[0], WORDS_PER_ROW, 32)
-  return jnp.sum(bits << jnp.arange(32, dtype=jnp.uint32), axis=2,
-                 dtype=jnp.uint32)
+  return pack_bits_reference((keys >= hi) | ((keys >= lo) & (index < cut)))

@@ -491,7 +491,7 @@ def _own_chunk(mt: jax.Array, layout: masks.LeafLayout, worker):
   if layout.padded > layout.size:
     flat = jnp.pad(flat, (0, layout.padded - layout.size))
   return (jax.lax.dynamic_slice_in_dim(flat, worker * chunk, chunk),
-          jnp.clip(layout.size - worker * chunk, 0, chunk))
+          layout.num_valid(worker))
 
 
 # ----------------------------------------------------------------------------

@@ -181,10 +181,9 @@ def _update_at_level(grads, state: ScaleByScapeDistState, level: int, *,
 
   vary = functools.partial(varying, axis_name=hyper.axis_name)
   next_masks = _common.next_chunk_masks(  # Algorithm 1's, from own m~
-      lambda j: (own[j].moment, jnp.clip(
-          plan.layouts[j].size - worker * plan.layouts[j].chunk_size, 0,
-          plan.layouts[j].chunk_size)), plan.layouts, k_levels, level,
-      schedule.level(state.count + 1), hyper.select)
+      lambda j: (own[j].moment, plan.layouts[j].num_valid(worker)),
+      plan.layouts, k_levels, level, schedule.level(state.count + 1),
+      hyper.select)
   per_leaf = lambda fn: plan.treedef.unflatten(  # noqa: E731
       [optax.MaskedNode() if lay is None else vary(fn(o, m))
        for o, m, lay in zip(own, next_masks, plan.layouts)])
