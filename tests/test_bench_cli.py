@@ -80,6 +80,8 @@ USAGE_ERRORS = [
     ('alloc_cost', 'main', ['--out', '{file}/x'], 'cannot create it'),
     ('sample_size', 'main', ['--samples', '0'], 'argument --samples'),
     ('sample_size', 'main', ['--densities', '2'], 'density 2.0'),
+    ('norm_at_m', 'main', ['--repeats', '0'], 'argument --repeats'),
+    ('norm_at_m', 'main', ['--densities', '2'], 'density 2.0'),
     ('update_profile', 'main', ['--top', '0'], 'argument --top'),
     ('update_phases', 'main', ['--repeats', '0'], 'argument --repeats'),
     ('update_temps', 'main', ['--src', '{missing}'],
@@ -245,6 +247,28 @@ def test_sample_size_times_each_sample_and_restores_the_default(
   with pytest.raises(AssertionError, match='SAMPLE=64 changed the bits'):
     bench.measure(leaves, [(1, 0.1)], [4096, 64], 1)
   assert topk.SAMPLE == default
+
+
+def test_norm_at_m_compares_both_sums_and_restores_the_rule(monkeypatch):
+  bench = importlib.import_module('norm_at_m')
+  scape = importlib.import_module('scape_jax.optim._scape')
+  rule = scape._NORM_AT_M_MAX_DENSITY  # pylint: disable=protected-access
+  # Gradients large enough that the clip acts, so its norm matters.
+  params, grads = ({'w': scale * jax.random.normal(jax.random.key(i),
+                                                   (64, 48))}
+                   for i, scale in enumerate((0.02, 1.0)))
+  prep = bench.prepared([0.01], params, grads)
+  assert sorted(prep) == [('optax.adamw', None), ('scape d=0.01', 'at M'),
+                          ('scape d=0.01', 'full shape')]
+  bench.check_same(prep, [0.01], params, grads)
+  assert scape._NORM_AT_M_MAX_DENSITY == rule  # pylint: disable=protected-access
+  # A sum at M that differed from the full one would be reported.
+  real = scape._norm_terms  # pylint: disable=protected-access
+  monkeypatch.setattr(scape, '_norm_terms', lambda g, *a: [
+      t if t.shape == x.shape else 2 * t for t, x in zip(real(g, *a), g)])
+  prep = bench.prepared([0.01], params, grads)
+  with pytest.raises(AssertionError, match='d=0.01'):
+    bench.check_same(prep, [0.01], params, grads)
 
 
 def test_quick_keeps_the_options_given(tmp_path, monkeypatch):

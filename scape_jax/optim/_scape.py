@@ -250,15 +250,17 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
                                 plan, hyper.b1, state.count, k_now)
   global_masks = _exchange_masks(flat(state.mask), plan, k_now, hyper)
   if hyper.payload_dtype == 'float32':
-    bbar, errors = _exchange_payload(moment, plan, global_masks,
-                                     hyper.axis_name), None
+    exchanged, errors = _exchange_payload(moment, plan, global_masks,
+                                          hyper.axis_name), None
   else:
-    bbar, errors = _wire.exchange_narrow(
+    exchanged, errors = _wire.exchange_narrow(
         moment, plan.layouts, [g and g.offsets for g in global_masks],
         hyper.axis_name, hyper.payload_dtype)
   bbar, gbar, residual, in_mask = _reconstruct(
-      moment, mu, bbar, plan, global_masks, hyper.b1, errors, hyper.variant)
-  gbar = _clip(gbar, hyper.clip_norm)
+      moment, mu, exchanged, plan, global_masks, hyper.b1, errors,
+      hyper.variant)
+  gbar = _clip(gbar, hyper.clip_norm, _norm_terms(
+      gbar, mu, exchanged, plan, global_masks, hyper.b1))
   count = optax.safe_increment(state.count)
   direction, variant_state = _direction(mu, bbar, gbar, count, hyper,
                                         in_mask, state.variant_state,
@@ -394,11 +396,35 @@ def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1,
   return bbar, gbar, residual, in_masks
 
 
-def _clip(gbar, clip_norm):
-  """Global-norm clip of the reconstructed mean gradient (Algorithm 1, l. 18)."""
+# At or below this density the clip's norm sums only gbar's N*k entries at M
+# (`_norm_terms`), so XLA:CPU no longer stores a full-shape gbar for it;
+# above it, gathering m_{t-1} at M costs more than that saves (measured at
+# d = 0.1, 0.03 and 0.01: docs/benchmarks.md, "The clip's norm at M").
+_NORM_AT_M_MAX_DENSITY = 1 / 32
+
+
+def _norm_terms(gbar, mu, exchanged, plan, global_masks, b1) -> list:
+  """What the clip's global norm sums, leaf by leaf: gbar, or on sparse
+  leaves at or below `_NORM_AT_M_MAX_DENSITY` its N*k entries at M (it is 0
+  elsewhere), Eq. 3 from the exchanged values and m_{t-1} at M (0 at
+  padding, where both are 0)."""
+  terms = []
+  for g, m, values, layout, mask in zip(gbar, mu, exchanged, plan.layouts,
+                                        global_masks):
+    if mask is None or values.size > layout.padded * _NORM_AT_M_MAX_DENSITY:
+      terms.append(g)
+    else:
+      m_at = masks.gather_at(m, layout, mask.offsets)
+      terms.append((values - b1 * m_at) / (1.0 - b1))
+  return terms
+
+
+def _clip(gbar, clip_norm, norm_terms=None):
+  """Global-norm clip of the reconstructed mean gradient (Algorithm 1, l. 18);
+  the norm is that of `norm_terms` where given (`_norm_terms`)."""
   if clip_norm is None:
     return gbar
-  norm = optax.tree.norm(gbar)
+  norm = optax.tree.norm(gbar if norm_terms is None else norm_terms)
   factor = jnp.where((clip_norm > 0) & (norm > clip_norm),
                      clip_norm / jnp.maximum(norm, 1e-30), 1.0)
   return [g * factor for g in gbar]

@@ -1,0 +1,109 @@
+"""Where SCAPE's clip sums its norm: the full-shape gbar, or its N*k at M.
+
+Times SCAPE's whole update at N=1 (`optimizer_overhead`'s method, steady
+state) at each density, once with the clip's norm summed over the
+full-shape gbar and once over gbar's N*k entries at M (Eq. 3 from the
+exchanged values and a gather of m_{t-1} there: `optim._scape._norm_terms`),
+beside optax.adamw, all interleaved in one process. The choice is read
+when the update is traced (`_scape._NORM_AT_M_MAX_DENSITY`: 0 sums over
+the full shape, 1 at M), so each gets its own compiled program. Checks
+that both give the same update (to fp32 rounding of the norm's sum) and
+reports each program's temporaries.
+
+  python bench/norm_at_m.py --out docs/bench/norm_at_m
+"""
+
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, 'bench'))
+import cli_types  # noqa: E402
+import optimizer_overhead as oo  # noqa: E402  (sets JAX_PLATFORMS=cpu)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from scape_jax.optim import _scape  # noqa: E402
+
+WHERE = {'full shape': 0.0, 'at M': 1.0}  # _NORM_AT_M_MAX_DENSITY
+
+
+def prepared(densities, params, grads) -> dict:
+  """(label, where) -> `oo.Prepared`; where is None for adamw."""
+  methods = oo.methods(densities)
+  out = {('optax.adamw', None): oo.prepare(methods['optax.adamw'], params,
+                                           grads)}
+  default = _scape._NORM_AT_M_MAX_DENSITY  # pylint: disable=protected-access
+  try:
+    for d in densities:
+      for where, value in WHERE.items():
+        _scape._NORM_AT_M_MAX_DENSITY = value  # pylint: disable=protected-access
+        out[f'scape d={d:g}', where] = oo.prepare(
+            methods[f'scape d={d:g}'], params, grads)
+  finally:
+    _scape._NORM_AT_M_MAX_DENSITY = default  # pylint: disable=protected-access
+  return out
+
+
+def check_same(prep: dict, densities, params, grads) -> None:
+  """Both programs give the same update at every density."""
+  for d in densities:
+    a, b = (jax.tree.leaves(prep[f'scape d={d:g}', w].fn(
+        grads, prep[f'scape d={d:g}', w].state, params)[0]) for w in WHERE)
+    for x, y in zip(a, b):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5,
+                                 atol=1e-9, err_msg=f'd={d:g}')
+
+
+def measure(prep: dict, params, grads, repeats: int) -> dict:
+  """key -> median ms, the programs interleaved."""
+  times = {key: [] for key in prep}
+  for _ in range(repeats):
+    for key, p in prep.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(p.fn(grads, p.state, params))
+      times[key].append(time.perf_counter() - t0)
+  return {key: 1e3 * float(np.median(t)) for key, t in times.items()}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--tree', default='llama-100m', choices=sorted(oo.TREES))
+  p.add_argument('--densities', type=cli_types.density, nargs='+',
+                 default=[0.1, 0.03, 0.01])
+  p.add_argument('--repeats', type=cli_types.positive_int, default=9)
+  p.add_argument('--out', default=os.path.join(ROOT, 'runs', 'norm_at_m'))
+  args = p.parse_args(argv)
+  cli_types.check_out_dir(p, args.out)
+  params, grads = oo.param_tree(args.tree)
+  prep = prepared(args.densities, params, grads)
+  check_same(prep, args.densities, params, grads)
+  ms = measure(prep, params, grads, args.repeats)
+  adamw = ms['optax.adamw', None]
+  rule = _scape._NORM_AT_M_MAX_DENSITY  # pylint: disable=protected-access
+  lines = [f'<!-- python bench/norm_at_m.py {" ".join(argv or sys.argv[1:])} -->',
+           f'jax {jax.__version__} on {jax.devices()[0].device_kind}; '
+           f'{args.tree}, N=1; median of {args.repeats} interleaved calls; '
+           f'optax.adamw {adamw:.1f} ms; the rule sums at M at densities '
+           f'<= {rule:.4g}', '',
+           '| density | full shape: ms (x adamw), temp MiB | at M: ms '
+           '(x adamw), temp MiB | at M / full shape |', '|---|---|---|---|']
+  for d in args.densities:
+    cells = []
+    for where in WHERE:
+      key = (f'scape d={d:g}', where)
+      cells.append(f'{ms[key]:.1f} ({ms[key] / adamw:.2f}x), '
+                   f'{prep[key].temp_bytes / 2**20:.0f}')
+    ratio = ms[f'scape d={d:g}', 'at M'] / ms[f'scape d={d:g}', 'full shape']
+    lines.append(f'| {d:g} | ' + ' | '.join(cells) + f' | {ratio:.2f} |')
+  text = '\n'.join(lines) + '\n'
+  with open(os.path.join(args.out, 'norm_at_m.md'), 'w') as f:
+    f.write(text)
+  print(text)
+
+
+if __name__ == '__main__':
+  main()
