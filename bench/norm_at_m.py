@@ -16,7 +16,6 @@ reports each program's temporaries.
 import argparse
 import os
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'bench'))
@@ -58,17 +57,6 @@ def check_same(prep: dict, densities, params, grads) -> None:
                                  atol=1e-9, err_msg=f'd={d:g}')
 
 
-def measure(prep: dict, params, grads, repeats: int) -> dict:
-  """key -> median ms, the programs interleaved."""
-  times = {key: [] for key in prep}
-  for _ in range(repeats):
-    for key, p in prep.items():
-      t0 = time.perf_counter()
-      jax.block_until_ready(p.fn(grads, p.state, params))
-      times[key].append(time.perf_counter() - t0)
-  return {key: 1e3 * float(np.median(t)) for key, t in times.items()}
-
-
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--tree', default='llama-100m', choices=sorted(oo.TREES))
@@ -81,7 +69,8 @@ def main(argv=None):
   params, grads = oo.param_tree(args.tree)
   prep = prepared(args.densities, params, grads)
   check_same(prep, args.densities, params, grads)
-  ms = measure(prep, params, grads, args.repeats)
+  ms = {key: 1e3 * float(np.median(t)) for key, t in oo.interleaved_times(
+      prep, grads, params, args.repeats, 1).items()}
   adamw = ms['optax.adamw', None]
   rule = _scape._NORM_AT_M_MAX_DENSITY  # pylint: disable=protected-access
   lines = [f'<!-- python bench/norm_at_m.py {" ".join(argv or sys.argv[1:])} -->',
