@@ -322,7 +322,6 @@ def test_the_finish_makes_no_counting_pass_of_its_own(stride, monkeypatch):
   assert _passes(x, k, monkeypatch) == 1
 
 
-
 @pytest.mark.parametrize('varying', ['scores', 'num_valid', 'k'])
 def test_every_select_types_its_words_like_its_inputs_in_shard_map(varying):
   # Inside shard_map the words vary over the mesh axes of any input, for
