@@ -82,6 +82,8 @@ USAGE_ERRORS = [
     ('sample_size', 'main', ['--densities', '2'], 'density 2.0'),
     ('norm_at_m', 'main', ['--repeats', '0'], 'argument --repeats'),
     ('norm_at_m', 'main', ['--densities', '2'], 'density 2.0'),
+    ('ab_noise', 'main', ['--copies', '0'], 'argument --copies'),
+    ('ab_noise', 'main', ['--programs', '0'], 'argument --programs'),
     ('update_profile', 'main', ['--top', '0'], 'argument --top'),
     ('update_phases', 'main', ['--repeats', '0'], 'argument --repeats'),
     ('update_temps', 'main', ['--src', '{missing}'],
@@ -269,6 +271,30 @@ def test_norm_at_m_compares_both_sums_and_restores_the_rule(monkeypatch):
   prep = bench.prepared([0.01], params, grads)
   with pytest.raises(AssertionError, match='d=0.01'):
     bench.check_same(prep, [0.01], params, grads)
+
+
+def test_ab_noise_copies_state_into_fresh_buffers(monkeypatch):
+  bench = importlib.import_module('ab_noise')
+  params, grads = _tiny_tree('llama-tiny')
+  prep = bench.prepared([0.1], params, grads, programs=2, copies=2)
+  keys = [(m, (a, i)) for m in ('optax.adamw', 'scape d=0.1')
+          for a in range(2) for i in range(2)]
+  assert list(prep) == keys
+  big = [[x for x in jax.tree.leaves(prep['scape d=0.1', c].state)
+          if x.size > 100][0] for c in ((0, 0), (0, 1), (1, 0))]
+  assert len({x.unsafe_buffer_pointer() for x in big}) == 3
+  assert prep['scape d=0.1', (0, 0)].fn is prep['scape d=0.1', (0, 1)].fn
+  assert prep['scape d=0.1', (0, 0)].fn is not prep['scape d=0.1', (1, 0)].fn
+  bench.check_same(prep, params, grads)
+  # A copy whose state differed would be reported.
+  bad = prep['scape d=0.1', (1, 1)]
+  prep['scape d=0.1', (1, 1)] = bad._replace(
+      state=jax.tree.map(lambda x: x + 1 if x.dtype == np.float32 else x,
+                         bad.state))
+  with pytest.raises(AssertionError, match='scape d=0.1, copy'):
+    bench.check_same(prep, params, grads)
+  table = bench.spread({('a', 0): 2.0, ('a', 1): 3.0, ('b', 0): 5.0})
+  assert table == {'a': ([2.0, 3.0], 1.5), 'b': ([5.0], 1.0)}
 
 
 def test_quick_keeps_the_options_given(tmp_path, monkeypatch):
