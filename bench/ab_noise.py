@@ -91,10 +91,7 @@ def main(argv=None):
   for name, (values, ratio) in table.items():
     lines.append(f'| {name} | ' + ' | '.join(
         f'{v:.1f} ({v / adamw:.2f}x)' for v in values) + f' | {ratio:.2f} |')
-  text = '\n'.join(lines) + '\n'
-  with open(os.path.join(args.out, 'ab_noise.md'), 'w') as f:
-    f.write(text)
-  print(text)
+  cli_types.write_markdown(args.out, 'ab_noise.md', lines)
 
 
 if __name__ == '__main__':

@@ -78,10 +78,7 @@ def main(argv=None):
         f'{r["donated"][0]:.2f} | {r["fresh"][0] / r["donated"][0]:.1f}x | '
         + ', '.join(f'{r[q][1]:.0f}' for q in PROGRAMS) + ' |')
     print(lines[-1], flush=True)
-  text = '\n'.join(lines) + '\n'
-  with open(os.path.join(args.out, 'alloc_cost.md'), 'w') as f:
-    f.write(text)
-  print(text)
+  cli_types.write_markdown(args.out, 'alloc_cost.md', lines)
 
 
 if __name__ == '__main__':

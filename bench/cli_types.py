@@ -92,3 +92,13 @@ def check_out_dir(parser: argparse.ArgumentParser, path: str) -> str:
   except OSError as e:
     parser.error(f'--out {path!r}: cannot create it ({e.strerror})')
   return path
+
+
+def write_markdown(out_dir: str, name: str, lines) -> str:
+  """Writes `lines` as the file `name` in `out_dir`, prints them, and
+  returns the text."""
+  text = '\n'.join(lines) + '\n'
+  with open(os.path.join(out_dir, name), 'w') as f:
+    f.write(text)
+  print(text)
+  return text

@@ -88,10 +88,7 @@ def main(argv=None):
                    f'{prep[key].temp_bytes / 2**20:.0f}')
     ratio = ms[f'scape d={d:g}', 'at M'] / ms[f'scape d={d:g}', 'full shape']
     lines.append(f'| {d:g} | ' + ' | '.join(cells) + f' | {ratio:.2f} |')
-  text = '\n'.join(lines) + '\n'
-  with open(os.path.join(args.out, 'norm_at_m.md'), 'w') as f:
-    f.write(text)
-  print(text)
+  cli_types.write_markdown(args.out, 'norm_at_m.md', lines)
 
 
 if __name__ == '__main__':

@@ -91,10 +91,7 @@ def main(argv=None):
     lines.append(f'| {n} | {d:g} | ' + ' | '.join(
         f'{ms[s, (n, d)]:.2f} ({ms[s, (n, d)] / base:.2f}x)'
         for s in args.samples) + ' |')
-  text = '\n'.join(lines) + '\n'
-  with open(os.path.join(args.out, 'sample_size.md'), 'w') as f:
-    f.write(text)
-  print(text)
+  cli_types.write_markdown(args.out, 'sample_size.md', lines)
 
 
 if __name__ == '__main__':

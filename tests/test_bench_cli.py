@@ -46,6 +46,14 @@ def test_types_refuse(fn, text, message):
     getattr(cli_types, fn)(text)
 
 
+def test_write_markdown_writes_prints_and_returns_the_lines(tmp_path,
+                                                            capsys):
+  text = cli_types.write_markdown(str(tmp_path), 't.md', ['# a', '| b |'])
+  assert text == '# a\n| b |\n'
+  assert (tmp_path / 't.md').read_text() == text
+  assert capsys.readouterr().out == text + '\n'
+
+
 def _main(module, entry='main'):
   return getattr(importlib.import_module(module), entry)
 
