@@ -4,12 +4,13 @@ placed more than once.
 Times optax.adamw and SCAPE's update at N=1 (`optimizer_overhead`'s
 methods, SCAPE in its steady state), each compiled `--programs` times,
 each program with `--copies` independent copies of its state: the same
-program and the same values, in separately allocated buffers. All of them are interleaved in one process
-(`optimizer_overhead.interleaved_times`), as the A/B scripts
-(`norm_at_m.py`, `sample_size.py`) interleave their variants. Whatever
-separates the copies' medians is noise that such an A/B cannot tell from
-a real difference: where the buffers landed, not what the program does.
-Checks that every copy gives the same update, bit for bit.
+program and the same values, in separately allocated buffers. All of them
+are interleaved in one process (`optimizer_overhead.interleaved_times`),
+as the A/B scripts (`norm_at_m.py`, `sample_size.py`) interleave their
+variants. Whatever separates the copies' medians is noise that such an
+A/B cannot tell from a real difference: where the program and its
+buffers landed, not what the program does. Checks that every copy gives
+the same update, bit for bit.
 
   python bench/ab_noise.py --out docs/bench/ab_noise
 """
@@ -44,12 +45,13 @@ def prepared(densities, params, grads, programs: int, copies: int) -> dict:
 
 def check_same(prep: dict, params, grads) -> None:
   """Every copy of a method gives its first copy's update and state."""
-  for (name, i), p in prep.items():
+  for (name, (a, i)), p in prep.items():
     ref = prep[name, (0, 0)]
     for x, y in zip(jax.tree.leaves(ref.fn(grads, ref.state, params)),
                     jax.tree.leaves(p.fn(grads, p.state, params))):
-      np.testing.assert_array_equal(np.asarray(x), np.asarray(y),
-                                    err_msg=f'{name}, copy {i}')
+      np.testing.assert_array_equal(
+          np.asarray(x), np.asarray(y),
+          err_msg=f'{name}, program {a + 1}, copy {i + 1}')
 
 
 def spread(ms: dict) -> dict:

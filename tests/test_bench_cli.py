@@ -281,7 +281,7 @@ def test_norm_at_m_compares_both_sums_and_restores_the_rule(monkeypatch):
     bench.check_same(prep, [0.01], params, grads)
 
 
-def test_ab_noise_copies_state_into_fresh_buffers(monkeypatch):
+def test_ab_noise_copies_state_into_fresh_buffers():
   bench = importlib.import_module('ab_noise')
   params, grads = _tiny_tree('llama-tiny')
   prep = bench.prepared([0.1], params, grads, programs=2, copies=2)
@@ -299,7 +299,7 @@ def test_ab_noise_copies_state_into_fresh_buffers(monkeypatch):
   prep['scape d=0.1', (1, 1)] = bad._replace(
       state=jax.tree.map(lambda x: x + 1 if x.dtype == np.float32 else x,
                          bad.state))
-  with pytest.raises(AssertionError, match='scape d=0.1, copy'):
+  with pytest.raises(AssertionError, match='scape d=0.1, program 2, copy 2'):
     bench.check_same(prep, params, grads)
   table = bench.spread({('a', 0): 2.0, ('a', 1): 3.0, ('b', 0): 5.0})
   assert table == {'a': ([2.0, 3.0], 1.5), 'b': ([5.0], 1.0)}
