@@ -8,9 +8,13 @@ beside optax.adamw, all interleaved in one process. The choice is read
 when the update is traced (`_scape._NORM_AT_M_MAX_DENSITY`: 0 sums over
 the full shape, 1 at M), so each gets its own compiled program. Checks
 that both give the same update (to fp32 rounding of the norm's sum) and
-reports each program's temporaries.
+reports each program's temporaries. With `--programs P`, each variant is
+compiled P times: its time is the median of its programs' medians, and the
+last column says how far apart the unchanged (full shape) programs came,
+the noise floor of this comparison (`bench/ab_noise.py`).
 
   python bench/norm_at_m.py --out docs/bench/norm_at_m
+  python bench/norm_at_m.py --programs 2 --densities 0.1
 """
 
 import argparse
@@ -30,18 +34,20 @@ from scape_jax.optim import _scape  # noqa: E402
 WHERE = {'full shape': 0.0, 'at M': 1.0}  # _NORM_AT_M_MAX_DENSITY
 
 
-def prepared(densities, params, grads) -> dict:
-  """(label, where) -> `oo.Prepared`; where is None for adamw."""
+def prepared(densities, params, grads, programs: int = 1) -> dict:
+  """(label, where, program) -> `oo.Prepared`; where is None for adamw,
+  which is compiled once (program 0); each SCAPE variant `programs` times."""
   methods = oo.methods(densities)
-  out = {('optax.adamw', None): oo.prepare(methods['optax.adamw'], params,
-                                           grads)}
+  out = {('optax.adamw', None, 0): oo.prepare(methods['optax.adamw'], params,
+                                              grads)}
   default = _scape._NORM_AT_M_MAX_DENSITY  # pylint: disable=protected-access
   try:
     for d in densities:
       for where, value in WHERE.items():
         _scape._NORM_AT_M_MAX_DENSITY = value  # pylint: disable=protected-access
-        out[f'scape d={d:g}', where] = oo.prepare(
-            methods[f'scape d={d:g}'], params, grads)
+        for i in range(programs):
+          out[f'scape d={d:g}', where, i] = oo.prepare(
+              methods[f'scape d={d:g}'], params, grads)
   finally:
     _scape._NORM_AT_M_MAX_DENSITY = default  # pylint: disable=protected-access
   return out
@@ -50,11 +56,21 @@ def prepared(densities, params, grads) -> dict:
 def check_same(prep: dict, densities, params, grads) -> None:
   """Both programs give the same update at every density."""
   for d in densities:
-    a, b = (jax.tree.leaves(prep[f'scape d={d:g}', w].fn(
-        grads, prep[f'scape d={d:g}', w].state, params)[0]) for w in WHERE)
+    a, b = (jax.tree.leaves(prep[f'scape d={d:g}', w, 0].fn(
+        grads, prep[f'scape d={d:g}', w, 0].state, params)[0]) for w in WHERE)
     for x, y in zip(a, b):
       np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5,
                                  atol=1e-9, err_msg=f'd={d:g}')
+
+
+def summary(ms: dict) -> dict:
+  """(label, where, program) -> ms  =>  (label, where) -> (the median of
+  the programs' medians, the slowest program over the fastest)."""
+  out = {}
+  for (label, where, _), value in ms.items():
+    out.setdefault((label, where), []).append(value)
+  return {key: (float(np.median(v)), max(v) / min(v))
+          for key, v in out.items()}
 
 
 def main(argv=None):
@@ -63,31 +79,41 @@ def main(argv=None):
   p.add_argument('--densities', type=cli_types.density, nargs='+',
                  default=[0.1, 0.03, 0.01])
   p.add_argument('--repeats', type=cli_types.positive_int, default=9)
+  p.add_argument('--programs', type=cli_types.positive_int, default=1)
   p.add_argument('--out', default=os.path.join(ROOT, 'runs', 'norm_at_m'))
   args = p.parse_args(argv)
   cli_types.check_out_dir(p, args.out)
   params, grads = oo.param_tree(args.tree)
-  prep = prepared(args.densities, params, grads)
+  prep = prepared(args.densities, params, grads, args.programs)
   check_same(prep, args.densities, params, grads)
-  ms = {key: 1e3 * float(np.median(t)) for key, t in oo.interleaved_times(
-      prep, grads, params, args.repeats, 1).items()}
-  adamw = ms['optax.adamw', None]
+  ms = summary({key: 1e3 * float(np.median(t)) for key, t in
+                oo.interleaved_times(prep, grads, params, args.repeats,
+                                     1).items()})
+  adamw = ms['optax.adamw', None][0]
+  floor = args.programs > 1
   rule = _scape._NORM_AT_M_MAX_DENSITY  # pylint: disable=protected-access
   lines = [f'<!-- python bench/norm_at_m.py {" ".join(argv or sys.argv[1:])} -->',
            f'jax {jax.__version__} on {jax.devices()[0].device_kind}; '
-           f'{args.tree}, N=1; median of {args.repeats} interleaved calls; '
+           f'{args.tree}, N=1; median of {args.repeats} interleaved calls'
+           + (f' (the median of {args.programs} programs\' medians)'
+              if floor else '') + '; '
            f'optax.adamw {adamw:.1f} ms; the rule sums at M at densities '
            f'<= {rule:.4g}', '',
            '| density | full shape: ms (x adamw), temp MiB | at M: ms '
-           '(x adamw), temp MiB | at M / full shape |', '|---|---|---|---|']
+           '(x adamw), temp MiB | at M / full shape |'
+           + (' full-shape programs apart |' if floor else ''),
+           '|---|---|---|---|' + ('---|' if floor else '')]
   for d in args.densities:
     cells = []
     for where in WHERE:
       key = (f'scape d={d:g}', where)
-      cells.append(f'{ms[key]:.1f} ({ms[key] / adamw:.2f}x), '
-                   f'{prep[key].temp_bytes / 2**20:.0f}')
-    ratio = ms[f'scape d={d:g}', 'at M'] / ms[f'scape d={d:g}', 'full shape']
-    lines.append(f'| {d:g} | ' + ' | '.join(cells) + f' | {ratio:.2f} |')
+      cells.append(f'{ms[key][0]:.1f} ({ms[key][0] / adamw:.2f}x), '
+                   f'{prep[key + (0,)].temp_bytes / 2**20:.0f}')
+    full = ms[f'scape d={d:g}', 'full shape']
+    cells.append(f'{ms[f"scape d={d:g}", "at M"][0] / full[0]:.2f}')
+    if floor:
+      cells.append(f'{full[1]:.2f}')
+    lines.append(f'| {d:g} | ' + ' | '.join(cells) + ' |')
   cli_types.write_markdown(args.out, 'norm_at_m.md', lines)
 
 

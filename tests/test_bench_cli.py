@@ -267,10 +267,17 @@ def test_norm_at_m_compares_both_sums_and_restores_the_rule(monkeypatch):
   params, grads = ({'w': scale * jax.random.normal(jax.random.key(i),
                                                    (64, 48))}
                    for i, scale in enumerate((0.02, 1.0)))
-  prep = bench.prepared([0.01], params, grads)
-  assert sorted(prep) == [('optax.adamw', None), ('scape d=0.01', 'at M'),
-                          ('scape d=0.01', 'full shape')]
+  prep = bench.prepared([0.01], params, grads, programs=2)
+  assert sorted(prep) == [('optax.adamw', None, 0),
+                          ('scape d=0.01', 'at M', 0),
+                          ('scape d=0.01', 'at M', 1),
+                          ('scape d=0.01', 'full shape', 0),
+                          ('scape d=0.01', 'full shape', 1)]
+  assert (prep['scape d=0.01', 'at M', 0].fn
+          is not prep['scape d=0.01', 'at M', 1].fn)
   bench.check_same(prep, [0.01], params, grads)
+  assert bench.summary({('a', 'x', 0): 2.0, ('a', 'x', 1): 3.0,
+                        ('a', 'x', 2): 6.0}) == {('a', 'x'): (3.0, 3.0)}
   assert scape._NORM_AT_M_MAX_DENSITY == rule  # pylint: disable=protected-access
   # A sum at M that differed from the full one would be reported.
   real = scape._norm_terms  # pylint: disable=protected-access
