@@ -15,7 +15,6 @@ the same update, bit for bit.
   python bench/ab_noise.py --out docs/bench/ab_noise
 """
 
-import argparse
 import os
 import sys
 
@@ -63,14 +62,9 @@ def spread(ms: dict) -> dict:
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  p.add_argument('--tree', default='llama-100m', choices=sorted(oo.TREES))
-  p.add_argument('--densities', type=cli_types.density, nargs='+',
-                 default=[0.1, 0.01])
+  p = oo.ab_parser(__doc__, [0.1, 0.01], 9, 'ab_noise')
   p.add_argument('--programs', type=cli_types.positive_int, default=2)
   p.add_argument('--copies', type=cli_types.positive_int, default=2)
-  p.add_argument('--repeats', type=cli_types.positive_int, default=9)
-  p.add_argument('--out', default=os.path.join(ROOT, 'runs', 'ab_noise'))
   args = p.parse_args(argv)
   cli_types.check_out_dir(p, args.out)
   params, grads = oo.param_tree(args.tree)

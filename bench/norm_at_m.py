@@ -17,7 +17,6 @@ the noise floor of this comparison (`bench/ab_noise.py`).
   python bench/norm_at_m.py --programs 2 --densities 0.1
 """
 
-import argparse
 import os
 import sys
 
@@ -74,13 +73,8 @@ def summary(ms: dict) -> dict:
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  p.add_argument('--tree', default='llama-100m', choices=sorted(oo.TREES))
-  p.add_argument('--densities', type=cli_types.density, nargs='+',
-                 default=[0.1, 0.03, 0.01])
-  p.add_argument('--repeats', type=cli_types.positive_int, default=9)
+  p = oo.ab_parser(__doc__, [0.1, 0.03, 0.01], 9, 'norm_at_m')
   p.add_argument('--programs', type=cli_types.positive_int, default=1)
-  p.add_argument('--out', default=os.path.join(ROOT, 'runs', 'norm_at_m'))
   args = p.parse_args(argv)
   cli_types.check_out_dir(p, args.out)
   params, grads = oo.param_tree(args.tree)

@@ -239,6 +239,19 @@ def _call(fn, state, grads, params, donated: bool):
   return out[1] if donated else state
 
 
+def ab_parser(doc: str, densities, repeats: int,
+              out_name: str) -> argparse.ArgumentParser:
+  """A parser with the arguments the one-process A/B scripts share:
+  --tree, --densities, --repeats and --out (default runs/`out_name`)."""
+  p = argparse.ArgumentParser(description=doc.split('\n')[0])
+  p.add_argument('--tree', default='llama-100m', choices=sorted(TREES))
+  p.add_argument('--densities', type=cli_types.density, nargs='+',
+                 default=list(densities))
+  p.add_argument('--repeats', type=cli_types.positive_int, default=repeats)
+  p.add_argument('--out', default=os.path.join(ROOT, 'runs', out_name))
+  return p
+
+
 def interleaved_times(prepared: dict, grads, params, repeats: int,
                       number: int) -> dict:
   """label -> seconds per call, `repeats` samples, methods interleaved.

@@ -10,7 +10,6 @@ its own compiled program.
   python bench/sample_size.py --out docs/bench/sample_size
 """
 
-import argparse
 import os
 import sys
 import time
@@ -63,16 +62,11 @@ def measure(leaves, cases, samples, repeats: int) -> dict:
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  p.add_argument('--tree', default='llama-100m', choices=sorted(oo.TREES))
+  p = oo.ab_parser(__doc__, [0.1, 0.01], 15, 'sample_size')
   p.add_argument('--samples', type=cli_types.positive_int, nargs='+',
                  default=[16384, 8192, 4096, 2048])
   p.add_argument('--workers', type=cli_types.positive_int, nargs='+',
                  default=[32, 1])
-  p.add_argument('--densities', type=cli_types.density, nargs='+',
-                 default=[0.1, 0.01])
-  p.add_argument('--repeats', type=cli_types.positive_int, default=15)
-  p.add_argument('--out', default=os.path.join(ROOT, 'runs', 'sample_size'))
   args = p.parse_args(argv)
   cli_types.check_out_dir(p, args.out)
   params, _ = oo.param_tree(args.tree)
