@@ -259,8 +259,9 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
   bbar, gbar, residual, in_mask = _reconstruct(
       moment, mu, exchanged, plan, global_masks, hyper.b1, errors,
       hyper.variant)
-  gbar = _clip(gbar, hyper.clip_norm, _norm_terms(
-      gbar, mu, exchanged, plan, global_masks, hyper.b1))
+  if hyper.clip_norm is not None:
+    gbar = _clip(gbar, hyper.clip_norm, _norm_terms(
+        gbar, mu, exchanged, plan, global_masks, hyper.b1))
   count = optax.safe_increment(state.count)
   direction, variant_state = _direction(mu, bbar, gbar, count, hyper,
                                         in_mask, state.variant_state,
