@@ -1,5 +1,6 @@
 """The jnp mask primitives (future Pallas references) against NumPy."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -86,6 +87,29 @@ def test_words_to_offsets_and_back_match_the_bit_versions(c, k):
   np.testing.assert_array_equal(
       np.asarray(masks.offsets_to_words(jnp.asarray(offsets), c)),
       np.asarray(words))
+
+
+def test_words_to_offsets_is_decoded_once_for_a_gather_and_a_scatter():
+  # SCAPE's update reads the offsets twice: the payload gather and the
+  # scatters' index. XLA:CPU fused the whole decode into both, doubling its
+  # population counts; the offsets are now stored once.
+  c, k = 4096, 400
+  words = jax.ShapeDtypeStruct((2, c // 32), jnp.uint32)
+  x = jax.ShapeDtypeStruct((2 * c,), jnp.float32)
+  lay = masks.LeafLayout.create(2 * c, 2)
+
+  def popcounts(fn, *args):
+    return jax.jit(fn).lower(*args).compile().as_text().count(' popcnt(')
+
+  alone = popcounts(lambda w: masks.words_to_offsets(w, k), words)
+
+  def both(w, x):
+    offsets = masks.words_to_offsets(w, k)
+    values = masks.gather_at(x, lay, offsets)
+    return masks.set_at(x, lay, offsets, 2.0 * values)
+
+  assert alone > 0
+  assert popcounts(both, words, x) == alone
 
 
 def test_chunk_topk_ranks_magnitudes_and_puts_nan_first():

@@ -206,7 +206,13 @@ def words_to_offsets(words: jax.Array, k: int) -> jax.Array:
     rank = jnp.where(up, rank - low, rank)
     value = jnp.where(up, value >> width, value)
     position = jnp.where(up, position + width, position)
-  return word * 32 + position
+  # Divided by a 1 that XLA cannot fold (no word has more than 32 set bits):
+  # a division is costly enough that XLA stores the offsets once, where it
+  # would otherwise redo this decode inside each consumer that can fuse it
+  # (the payload gather beside the scatters' index), and a stored int32[n, k]
+  # costs less than a second decode (`bench/optimizer_overhead.py`).
+  one = jnp.where(jax.lax.population_count(words[:, :1]) > 32, 2, 1)
+  return jax.lax.div(word * 32 + position, one.astype(jnp.int32))
 
 
 def offsets_to_words(offsets: jax.Array, c: int) -> jax.Array:
