@@ -1,9 +1,9 @@
 """Where SCAPE's clip sums its norm: the full-shape gbar, or its N*k at M.
 
 Times SCAPE's whole update at N=1 (`optimizer_overhead`'s method, steady
-state) at each density, once with the clip's norm summed over the
-full-shape gbar and once over gbar's N*k entries at M (Eq. 3 from the
-exchanged values and a gather of m_{t-1} there: `optim._scape._norm_terms`),
+state) at each density, once with the clip's norm summed over the full
+shape and once over gbar's N*k entries at M (Eq. 3 from the exchanged
+values and a gather of m_{t-1} there: `optim._scape._squared_norms`),
 beside optax.adamw, all interleaved in one process. The choice is read
 when the update is traced (`_scape._NORM_AT_M_MAX_DENSITY`: 0 sums over
 the full shape, 1 at M), so each gets its own compiled program. Checks

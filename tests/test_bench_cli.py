@@ -91,6 +91,8 @@ USAGE_ERRORS = [
     ('norm_at_m', 'main', ['--repeats', '0'], 'argument --repeats'),
     ('norm_at_m', 'main', ['--densities', '2'], 'density 2.0'),
     ('ab_noise', 'main', ['--copies', '0'], 'argument --copies'),
+    ('update_ab', 'main', ['--variants', 'both undone'], "'as is'"),
+    ('update_ab', 'main', ['--variants', 'no such'], 'argument --variants'),
     ('ab_noise', 'main', ['--programs', '0'], 'argument --programs'),
     ('update_profile', 'main', ['--top', '0'], 'argument --top'),
     ('update_phases', 'main', ['--repeats', '0'], 'argument --repeats'),
@@ -280,12 +282,39 @@ def test_norm_at_m_compares_both_sums_and_restores_the_rule(monkeypatch):
                         ('a', 'x', 2): 6.0}) == {('a', 'x'): (3.0, 3.0)}
   assert scape._NORM_AT_M_MAX_DENSITY == rule  # pylint: disable=protected-access
   # A sum at M that differed from the full one would be reported.
-  real = scape._norm_terms  # pylint: disable=protected-access
-  monkeypatch.setattr(scape, '_norm_terms', lambda g, *a: [
-      t if t.shape == x.shape else 2 * t for t, x in zip(real(g, *a), g)])
+  real = scape._squared_norms  # pylint: disable=protected-access
+  monkeypatch.setattr(scape, '_squared_norms', lambda *a: [
+      4 * s if scape._NORM_AT_M_MAX_DENSITY == 1 else s  # pylint: disable=protected-access
+      for s in real(*a)])
   prep = bench.prepared([0.01], params, grads)
   with pytest.raises(AssertionError, match='d=0.01'):
     bench.check_same(prep, [0.01], params, grads)
+
+
+def test_update_ab_shares_one_state_and_restores_the_switches():
+  bench = importlib.import_module('update_ab')
+  masks = importlib.import_module('scape_jax.comm.masks')
+  scape = importlib.import_module('scape_jax.optim._scape')
+  # pylint: disable=protected-access
+  default = masks._STORE_OFFSETS, scape._NORM_FUSED
+  # Gradients large enough that the clip acts, so its norm matters.
+  params, grads = ({'w': scale * jax.random.normal(jax.random.key(i),
+                                                   (64, 48))}
+                   for i, scale in enumerate((0.02, 1.0)))
+  prep = bench.prepared([0.1], list(bench.VARIANTS), params, grads,
+                        programs=2)
+  assert (masks._STORE_OFFSETS, scape._NORM_FUSED) == default
+  assert len(prep) == 1 + 2 * len(bench.VARIANTS)
+  scape_keys = [k for k in prep if k[1] is not None]
+  assert len({id(prep[k].state) for k in scape_keys}) == 1
+  assert len({id(prep[k].fn) for k in scape_keys}) == len(scape_keys)
+  bench.check_same(prep, params, grads)
+  # A variant whose update differed would be reported.
+  bad = prep['scape d=0.1', 'decode twice', 1]
+  prep['scape d=0.1', 'decode twice', 1] = bad._replace(
+      fn=lambda g, s, p: jax.tree.map(lambda x: 2 * x, bad.fn(g, s, p)))
+  with pytest.raises(AssertionError, match='decode twice, program 2'):
+    bench.check_same(prep, params, grads)
 
 
 def test_ab_noise_copies_state_into_fresh_buffers():

@@ -206,13 +206,21 @@ def words_to_offsets(words: jax.Array, k: int) -> jax.Array:
     rank = jnp.where(up, rank - low, rank)
     value = jnp.where(up, value >> width, value)
     position = jnp.where(up, position + width, position)
+  offsets = word * 32 + position
+  if not _STORE_OFFSETS:
+    return offsets
   # Divided by a 1 that XLA cannot fold (no word has more than 32 set bits):
   # a division is costly enough that XLA stores the offsets once, where it
   # would otherwise redo this decode inside each consumer that can fuse it
-  # (the payload gather beside the scatters' index), and a stored int32[n, k]
-  # costs less than a second decode (`bench/optimizer_overhead.py`).
+  # (SCAPE's payload gather beside its scatters' index), and a stored
+  # int32[n, k] costs less than a second decode (`bench/update_ab.py`).
   one = jnp.where(jax.lax.population_count(words[:, :1]) > 32, 2, 1)
-  return jax.lax.div(word * 32 + position, one.astype(jnp.int32))
+  return jax.lax.div(offsets, one.astype(jnp.int32))
+
+
+# False: `words_to_offsets` leaves XLA free to redo the decode in each
+# consumer, as before it stored them (read when traced; `bench/update_ab.py`).
+_STORE_OFFSETS = True
 
 
 def offsets_to_words(offsets: jax.Array, c: int) -> jax.Array:

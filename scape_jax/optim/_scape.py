@@ -260,8 +260,8 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
       moment, mu, exchanged, plan, global_masks, hyper.b1, errors,
       hyper.variant)
   if hyper.clip_norm is not None:
-    gbar = _clip(gbar, hyper.clip_norm, _norm_terms(
-        gbar, mu, exchanged, plan, global_masks, hyper.b1))
+    gbar = _clip(gbar, hyper.clip_norm, _squared_norms(
+        gbar, bbar, in_mask, mu, exchanged, plan, global_masks, hyper.b1))
   count = optax.safe_increment(state.count)
   direction, variant_state = _direction(mu, bbar, gbar, count, hyper,
                                         in_mask, state.variant_state,
@@ -398,34 +398,63 @@ def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1,
 
 
 # At or below this density the clip's norm sums only gbar's N*k entries at M
-# (`_norm_terms`), so XLA:CPU no longer stores a full-shape gbar for it;
+# (`_squared_norms`), so XLA:CPU no longer stores a full-shape gbar for it;
 # above it, gathering m_{t-1} at M costs more than that saves (measured at
 # d = 0.1, 0.03 and 0.01: docs/benchmarks.md, "The clip's norm at M").
 _NORM_AT_M_MAX_DENSITY = 1 / 32
 
 
-def _norm_terms(gbar, mu, exchanged, plan, global_masks, b1) -> list:
-  """What the clip's global norm sums, leaf by leaf: gbar, or on sparse
-  leaves at or below `_NORM_AT_M_MAX_DENSITY` its N*k entries at M (it is 0
-  elsewhere), Eq. 3 from the exchanged values and m_{t-1} at M (0 at
-  padding, where both are 0)."""
-  terms = []
-  for g, m, values, layout, mask in zip(gbar, mu, exchanged, plan.layouts,
-                                        global_masks):
-    if mask is None or values.size > layout.padded * _NORM_AT_M_MAX_DENSITY:
-      terms.append(g)
+def _squared_norms(gbar, bbar, in_mask, mu, exchanged, plan, global_masks,
+                   b1) -> list:
+  """gbar's squared norm, leaf by leaf, for the clip. On dense leaves summed
+  over gbar. On sparse leaves at or below `_NORM_AT_M_MAX_DENSITY`, over
+  its N*k entries at M (it is 0 elsewhere): Eq. 3 from the exchanged values
+  and m_{t-1} at M (0 at padding, where both are 0). On the other sparse
+  leaves over (bbar - b1 m) at M, times 1 / (1 - b1)**2: an expression
+  XLA cannot merge with gbar's, so that the norm's pass and the
+  direction's each compute it from bbar and m and no full-shape gbar is
+  stored (`_sum_squares`)."""
+  out = []
+  for g, b, inside, m, values, layout, mask in zip(
+      gbar, bbar, in_mask, mu, exchanged, plan.layouts, global_masks):
+    if mask is None:
+      out.append(optax.tree.norm(g, squared=True))
+    elif values.size > layout.padded * _NORM_AT_M_MAX_DENSITY:
+      out.append(_sum_squares(jnp.where(inside, b - b1 * m, 0.0))
+                 * (1.0 / (1.0 - b1))**2 if _NORM_FUSED else
+                 optax.tree.norm(g, squared=True))
     else:
       m_at = masks.gather_at(m, layout, mask.offsets)
-      terms.append((values - b1 * m_at) / (1.0 - b1))
-  return terms
+      out.append(optax.tree.norm((values - b1 * m_at) / (1.0 - b1),
+                                 squared=True))
+  return out
 
 
-def _clip(gbar, clip_norm, norm_terms=None):
+# False: `_squared_norms` sums the stored full-shape gbar on the sparse leaves
+# above `_NORM_AT_M_MAX_DENSITY`, as before (read when traced;
+# `bench/update_ab.py`).
+_NORM_FUSED = True
+
+
+def _sum_squares(x: jax.Array) -> jax.Array:
+  """sum(x * x), as a reduction that XLA:CPU compiles itself, fused with
+  the producer of x. A plain f32 sum goes to YNNPACK, which needs its
+  operand stored first; this one also counts the elements and reads the
+  count, which keeps it from YNNPACK."""
+  squares, count = jax.lax.reduce(
+      (x * x, jnp.ones(x.shape, jnp.int32)), (jnp.float32(0), jnp.int32(0)),
+      lambda a, b: (a[0] + b[0], a[1] + b[1]), tuple(range(x.ndim)))
+  return squares + jnp.where(count < 0, 1.0, 0.0)  # count >= 0: + 0
+
+
+def _clip(gbar, clip_norm, squared_norms=None):
   """Global-norm clip of the reconstructed mean gradient (Algorithm 1, l. 18);
-  the norm is that of `norm_terms` where given (`_norm_terms`)."""
+  the norm is the root of the sum of `squared_norms` where given
+  (`_squared_norms`)."""
   if clip_norm is None:
     return gbar
-  norm = optax.tree.norm(gbar if norm_terms is None else norm_terms)
+  norm = (optax.tree.norm(gbar) if squared_norms is None else
+          jnp.sqrt(sum(squared_norms)))
   factor = jnp.where((clip_norm > 0) & (norm > clip_norm),
                      clip_norm / jnp.maximum(norm, 1e-30), 1.0)
   return [g * factor for g in gbar]
