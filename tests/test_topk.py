@@ -107,6 +107,18 @@ def test_sort_below_full_width_cuts_ties_at_the_kth_offset(kind):
                                     err_msg=f'{kind} n={num_valid} k={k}')
 
 
+def test_sort_below_full_width_stores_one_chunk_sized_array():
+  """The top-k's fp32 operand is the only chunk-sized temporary: the tie
+  compare reads it back as int32 keys, where a second stored int32 copy
+  of the keys made the update's 'sort' temporaries 1.08x the fp32 tree."""
+  c = 1 << 20
+  fn = jax.jit(lambda x, k: topk.sort_topk_words(x, c - 3, 1 << 14, k))
+  temps = fn.lower(jax.ShapeDtypeStruct((c,), jnp.float32),
+                   jax.ShapeDtypeStruct((), jnp.int32)).compile(
+                   ).memory_analysis().temp_size_in_bytes
+  assert 4 * c <= temps < 1.5 * 4 * c
+
+
 def test_nan_and_inf_rank_above_every_finite_value():
   # Documented order: NaN (any sign or payload) > +-inf > finite, by |x|;
   # ties (NaN with NaN, -inf with +inf) to the lower offset.
