@@ -24,7 +24,7 @@ Selections (`SELECTS`):
     the tie cut (one counting pass) and the mask pass. For GPUs, where
     XLA's sort of one int32 operand is cub's radix sort: on an H100 the
     update is 7-12% slower than with 'sort', with a third of its
-    temporaries.
+    temporaries (measured while 'sort' still stored its keys twice).
   * 'threshold': pure jnp. The k-th largest key T is bracketed by counting
     passes, each a fused compare-and-count of the chunk against two
     thresholds: sampled keys around the sample's estimate of T first, then
