@@ -576,3 +576,14 @@ def test_rejects_bad_mask_encoding():
 def test_rejects_bad_select():
   with pytest.raises(ValueError, match=r"select='heap'.*'threshold'"):
     scape_jax.scape(1e-2, density=0.1, select='heap')
+
+
+def test_sum_squares_is_the_sum_of_squares_outside_ynnpack():
+  from scape_jax.optim import _scape  # pylint: disable=import-outside-toplevel
+  x = np.random.default_rng(0).normal(size=(300, 70)).astype(np.float32)
+  got = float(jax.jit(_scape._sum_squares)(x))  # pylint: disable=protected-access
+  np.testing.assert_allclose(got, np.sum(x.astype(np.float64)**2), rtol=1e-5)
+  plain = jax.jit(lambda y: jnp.sum(y * y)).lower(x).compile().as_text()
+  ours = jax.jit(_scape._sum_squares).lower(x).compile().as_text()  # pylint: disable=protected-access
+  if '%ynn_fusion' in plain:  # XLA:CPU builds with YNNPACK fusions
+    assert '%ynn_fusion' not in ours

@@ -439,8 +439,12 @@ _NORM_FUSED = True
 def _sum_squares(x: jax.Array) -> jax.Array:
   """sum(x * x), as a reduction that XLA:CPU compiles itself, fused with
   the producer of x. A plain f32 sum goes to YNNPACK, which needs its
-  operand stored first; this one also counts the elements and reads the
-  count, which keeps it from YNNPACK."""
+  operand stored first; this one also counts the elements (as int32: an
+  fp32 count was slower in an ad-hoc A/B) and reads the count, which keeps
+  it from YNNPACK. A leaf of 2**31 entries or more, whose count would
+  wrap, gets the plain sum."""
+  if x.size >= 1 << 31:
+    return jnp.sum(x * x)
   squares, count = jax.lax.reduce(
       (x * x, jnp.ones(x.shape, jnp.int32)), (jnp.float32(0), jnp.int32(0)),
       lambda a, b: (a[0] + b[0], a[1] + b[1]), tuple(range(x.ndim)))
