@@ -14,8 +14,9 @@ optax.adamw, all interleaved in one process:
 The switches are read when the update is traced, so each variant gets its
 own programs, `--programs` of them. Every SCAPE program runs on the same
 state arrays, the first program's: in ad-hoc runs, programs of the same
-code that each ran on a state of their own came out up to 1.3x apart. The
-last column says how far apart each variant's programs came. Checks that
+code that each ran on a state of their own came out 1.35x and 1.68x apart
+(docs/benchmarks.md). The last column says how far apart each variant's
+programs came. Checks that
 every variant gives the same update to fp32 rounding of the norm's sum,
 and reports each variant's temporaries.
 

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import scape_jax
 from scape_jax.comm import masks
+from scape_jax.optim import _scape
 from tests.reference import LocalAdamReference, ScapeReference
 from tests.reference import adams_reference, k_of
 
@@ -579,7 +580,6 @@ def test_rejects_bad_select():
 
 
 def test_sum_squares_is_the_sum_of_squares_outside_ynnpack():
-  from scape_jax.optim import _scape  # pylint: disable=import-outside-toplevel
   x = np.random.default_rng(0).normal(size=(300, 70)).astype(np.float32)
   got = float(jax.jit(_scape._sum_squares)(x))  # pylint: disable=protected-access
   np.testing.assert_allclose(got, np.sum(x.astype(np.float64)**2), rtol=1e-5)

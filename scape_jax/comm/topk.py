@@ -195,7 +195,8 @@ def sort_topk_words(scores, num_valid, width: int, k) -> jax.Array:
     # The top-k's own operand, read back as int32, orders the entries as
     # the keys do (PAD_KEY's -1.0 has the sign bit: below every key >= 0),
     # so the compare below reads that stored array, and XLA stores no
-    # int32 keys beside it (1.08x the fp32 tree of temporaries otherwise).
+    # int32 keys beside it (with them, the llama-100m update's temporaries
+    # were 1.08x its fp32 tree: docs/benchmarks.md).
     keys = jax.lax.bitcast_convert_type(operand, jnp.int32)
   # Both orders put ties at the lower offset first, so the first k are the
   # keys above T = the k-th key and the ties at T up to the k-th's offset:
