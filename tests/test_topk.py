@@ -319,6 +319,21 @@ def test_the_search_needs_few_passes(kind, monkeypatch):
     assert _passes(x, k, monkeypatch) <= bound, (kind, k)
 
 
+@pytest.mark.parametrize('kind', ['normal', 'uniform'])
+def test_the_curves_straddle_t_in_a_tail_and_in_a_flat_density(
+    kind, monkeypatch):
+  # After the sample's pass, `_line_probes` takes the outer probes of a flat
+  # and a tail-like density model, so that the next pass straddles T under
+  # either: three passes at most. The flat model alone took 4 on the normal
+  # data here (k = c / 1000), the tail alone 4 on the uniform (k = c / 100).
+  rng = np.random.default_rng(5)
+  c = 1 << 20
+  x = (rng.normal(size=c) if kind == 'normal' else
+       rng.uniform(-1.0, 1.0, c)).astype(np.float32)
+  for k in (c // 100, c // 1000):
+    assert _passes(x, k, monkeypatch) <= 3, (kind, k)
+
+
 @pytest.mark.parametrize('stride', [7, 9])
 def test_the_finish_makes_no_counting_pass_of_its_own(stride, monkeypatch):
   # A chunk sampled whole: the first probes pin T, which is tied with

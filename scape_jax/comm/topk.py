@@ -28,13 +28,13 @@ Selections (`SELECTS`):
   * 'threshold': pure jnp. The k-th largest key T is bracketed by counting
     passes, each a fused compare-and-count of the chunk against two
     thresholds: sampled keys around the sample's estimate of T first, then
-    where the line through the bracket's counts (linear in |x|) reaches k,
-    with a margin that widens after a miss, and after two passes without
-    progress a ternary split of the key range (`_search`). Once at most
-    `FINISH` candidates are left, the rows that hold them are gathered and
-    T is read off their `lax.top_k`. Ties at T are cut at the offset where the count of chosen ties
-    reaches k, and one mask pass emits the packed words. A handful of passes
-    on smooth data (`tests/test_topk.py` bounds them).
+    where curves through the bracket's counts reach k, with a margin that
+    widens after a miss, and after two passes without progress a ternary
+    split of the key range (`_search`). Once at most `FINISH` candidates
+    are left, the rows that hold them are gathered and T is read off their
+    `lax.top_k`. Ties at T are cut at the offset where the count of chosen
+    ties reaches k, and one mask pass emits the packed words. A handful of
+    passes on smooth data (`tests/test_topk.py` bounds them).
   * 'pallas': the same search with the counting and mask passes as Pallas
     kernels (`scape_jax.kernels.topk_mask`); Triton on GPU, Mosaic on TPU.
   * 'radix': pure jnp, with no loop and no branch (`comm.radix`):
@@ -84,6 +84,11 @@ AUTO_SORT_MAX_WIDTH = {'cpu': 1024}
 RADIX_SELECTS = ('radix', 'pallas_radix')  # every chunk in one set of passes
 SAMPLE = 1 << 12  # sampled keys that steer the first passes (docs/design.md)
 FINISH = 512  # keys left in the bracket when their rows are gathered and sorted
+# Sampled keys a bracket must hold for the sample to steer its next pass
+# (16 while it is open at an end). With m of them the sample narrows it
+# about sqrt(m) / 3-fold, curves through its exact counts (`_line_probes`)
+# about sqrt(n) / 4-fold for n keys: from the second pass on, as a rule.
+_SAMPLED_MIN = 128
 _FILL_KEY = PAD_KEY - 1  # below every key: rows gathered past the chunk
 
 
@@ -405,18 +410,30 @@ def _value(key):
 
 
 def _line_probes(b: _Bracket, k, spread):
-  """Where the line through (|x| at lo, c_lo) and (|x| at hi, c_hi) reaches
-  the counts k + spread and k - spread. Linear in |x| rather than in the
-  key, which is logarithmic in |x| across binades and the same within one."""
-  m = (b.c_lo - b.c_hi).astype(jnp.float32)
+  """Where the count of keys >= |x| reaches k + spread (the lower probe)
+  and k - spread (the upper) between the bracket's counted ends, by two
+  models: a flat density (the count linear in |x|) and a tail's (its log
+  linear in |x|). Each probe is the outer of the two (the flat one alone
+  where c_hi = 0), so that the pass straddles T when either fits; each
+  alone missed often, the flat one on llama-100m's m~, the tail on uniform
+  data (`bench/search_steer.py`). In |x|, not in the key."""
+  c_lo, c_hi = b.c_lo.astype(jnp.float32), b.c_hi.astype(jnp.float32)
   low_value, high_value = _value(b.lo), _value(b.hi)
 
-  def at(rank):
-    frac = jnp.clip((b.c_lo - rank) / m, 0.0, 1.0)
-    value = jnp.maximum(low_value + frac * (high_value - low_value), 0.0)
-    return jax.lax.bitcast_convert_type(value, jnp.int32)
+  def fracs(rank):  # (flat, tail): where in [lo, hi] the count is rank
+    rank = jnp.clip(rank, c_hi, c_lo)
+    flat = (c_lo - rank) / (c_lo - c_hi)
+    # log(c_lo / rank) / log(c_lo / c_hi), as log1p: the ratios are near 1.
+    tail = jnp.log1p((c_lo - rank) / jnp.maximum(rank, 1.0)) / jnp.log1p(
+        (c_lo - c_hi) / jnp.maximum(c_hi, 1.0))
+    return flat, jnp.where(c_hi > 0, tail, flat)
 
-  return at(k + spread), at(k - spread)
+  def at(frac):
+    value = low_value + jnp.clip(frac, 0.0, 1.0) * (high_value - low_value)
+    return jax.lax.bitcast_convert_type(jnp.maximum(value, 0.0), jnp.int32)
+
+  return (at(jnp.minimum(*fracs(k + spread))),
+          at(jnp.maximum(*fracs(k - spread))))
 
 
 def _sample_probes(sample, c: int, b: _Bracket, k):
@@ -438,8 +455,10 @@ def _sample_probes(sample, c: int, b: _Bracket, k):
     return sample[jnp.clip(position.astype(jnp.int32), above,
                            above + inside - 1)]
 
+  # The curves need both ends counted (some key >= hi, none below lo).
+  closed = (b.c_hi > 0) & (b.lo > PAD_KEY)
   return (at(jnp.ceil(rank + margin)), at(jnp.floor(rank - margin)) + 1,
-          inside >= 16)
+          inside >= jnp.where(closed, _SAMPLED_MIN, 16))
 
 
 def _search(passes: _Passes, c: int, k) -> tuple:
@@ -448,10 +467,11 @@ def _search(passes: _Passes, c: int, k) -> tuple:
   one counting pass with two probes:
 
     * sampled keys around the sample's estimate of T, while the bracket
-      holds at least 16 of them (a heavy tie in the sample pins T at once);
-    * then where the line through the bracket's counts (in |x|) reaches
-      k -+ twice the square root of the keys left, a margin that grows
-      fourfold after each pass whose probes missed T;
+      holds at least `_SAMPLED_MIN` of them, or 16 while it is open at an
+      end (a heavy tie in the sample pins T at once);
+    * then where curves through the bracket's counts (`_line_probes`)
+      reach k -+ twice the square root of the keys left, a margin that
+      grows fourfold after each pass whose probes missed T;
     * after two passes that halved neither the keys left nor the key range,
       a ternary split of the key range, so that no input takes more than
       about 60 passes.
