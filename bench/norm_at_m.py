@@ -3,12 +3,13 @@
 Times SCAPE's whole update at N=1 (`optimizer_overhead`'s method, steady
 state) at each density, once with the clip's norm summed over the full
 shape and once over gbar's N*k entries at M (Eq. 3 from the exchanged
-values and a gather of m_{t-1} there: `optim._scape._squared_norms`),
-beside optax.adamw, all interleaved in one process. The choice is read
-when the update is traced (`_scape._NORM_AT_M_MAX_DENSITY`: 0 sums over
-the full shape, 1 at M), so each gets its own compiled program. Checks
-that both give the same update (to fp32 rounding of the norm's sum) and
-reports each program's temporaries. With `--programs P`, each variant is
+values and a gather of m_{t-1} there:
+`optim._scape_clip.squared_norms`), beside optax.adamw, all interleaved in
+one process. The choice is read when the update is traced
+(`_scape_clip._NORM_AT_M_MAX_DENSITY`: 0 sums over the full shape, 1 at
+M), so each gets its own compiled program. Checks that both give the same
+update (to fp32 rounding of the norm's sum) and reports each program's
+temporaries. With `--programs P`, each variant is
 compiled P times: its time is the median of its programs' medians, and the
 last column says how far apart the unchanged (full shape) programs came,
 the noise floor of this comparison (`bench/ab_noise.py`).
@@ -28,7 +29,7 @@ import optimizer_overhead as oo  # noqa: E402  (sets JAX_PLATFORMS=cpu)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from scape_jax.optim import _scape  # noqa: E402
+from scape_jax.optim import _scape_clip  # noqa: E402
 
 WHERE = {'full shape': 0.0, 'at M': 1.0}  # _NORM_AT_M_MAX_DENSITY
 
@@ -36,19 +37,20 @@ WHERE = {'full shape': 0.0, 'at M': 1.0}  # _NORM_AT_M_MAX_DENSITY
 def prepared(densities, params, grads, programs: int = 1) -> dict:
   """(label, where, program) -> `oo.Prepared`; where is None for adamw,
   which is compiled once (program 0); each SCAPE variant `programs` times."""
+  # pylint: disable=protected-access
   methods = oo.methods(densities)
   out = {('optax.adamw', None, 0): oo.prepare(methods['optax.adamw'], params,
                                               grads)}
-  default = _scape._NORM_AT_M_MAX_DENSITY  # pylint: disable=protected-access
+  default = _scape_clip._NORM_AT_M_MAX_DENSITY
   try:
     for d in densities:
       for where, value in WHERE.items():
-        _scape._NORM_AT_M_MAX_DENSITY = value  # pylint: disable=protected-access
+        _scape_clip._NORM_AT_M_MAX_DENSITY = value
         for i in range(programs):
           out[f'scape d={d:g}', where, i] = oo.prepare(
               methods[f'scape d={d:g}'], params, grads)
   finally:
-    _scape._NORM_AT_M_MAX_DENSITY = default  # pylint: disable=protected-access
+    _scape_clip._NORM_AT_M_MAX_DENSITY = default
   return out
 
 
@@ -85,7 +87,7 @@ def main(argv=None):
                                      1).items()})
   adamw = ms['optax.adamw', None][0]
   floor = args.programs > 1
-  rule = _scape._NORM_AT_M_MAX_DENSITY  # pylint: disable=protected-access
+  rule = _scape_clip._NORM_AT_M_MAX_DENSITY  # pylint: disable=protected-access
   lines = [f'<!-- python bench/norm_at_m.py {" ".join(argv or sys.argv[1:])} -->',
            f'jax {jax.__version__} on {jax.devices()[0].device_kind}; '
            f'{args.tree}, N=1; median of {args.repeats} interleaved calls'

@@ -8,8 +8,8 @@ optax.adamw, all interleaved in one process:
     (`masks._STORE_OFFSETS`), and XLA:CPU redoes the mask decode inside the
     payload gather as well as in the scatters' index;
   * 'norm over gbar': the clip's norm sums the stored full-shape gbar on
-    the sparse leaves above `_scape._NORM_AT_M_MAX_DENSITY`
-    (`_scape._NORM_FUSED`), not (bbar - b1 m) at M in a pass of its own.
+    the sparse leaves above `_scape_clip._NORM_AT_M_MAX_DENSITY`
+    (`_scape_clip._NORM_FUSED`), not (bbar - b1 m) at M in a pass of its own.
 
 The switches are read when the update is traced, so each variant gets its
 own programs, `--programs` of them. Every SCAPE program runs on the same
@@ -37,9 +37,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from scape_jax.comm import masks  # noqa: E402
-from scape_jax.optim import _scape  # noqa: E402
+from scape_jax.optim import _scape_clip  # noqa: E402
 
-# variant -> (masks._STORE_OFFSETS, _scape._NORM_FUSED)
+# variant -> (masks._STORE_OFFSETS, _scape_clip._NORM_FUSED)
 VARIANTS = {'as is': (True, True), 'decode twice': (False, True),
             'norm over gbar': (True, False), 'both undone': (False, False)}
 
@@ -48,12 +48,12 @@ VARIANTS = {'as is': (True, True), 'decode twice': (False, True),
 def switched(variant: str):
   """The two switches set for `variant` while tracing, then restored."""
   # pylint: disable=protected-access
-  default = masks._STORE_OFFSETS, _scape._NORM_FUSED
-  masks._STORE_OFFSETS, _scape._NORM_FUSED = VARIANTS[variant]
+  default = masks._STORE_OFFSETS, _scape_clip._NORM_FUSED
+  masks._STORE_OFFSETS, _scape_clip._NORM_FUSED = VARIANTS[variant]
   try:
     yield
   finally:
-    masks._STORE_OFFSETS, _scape._NORM_FUSED = default
+    masks._STORE_OFFSETS, _scape_clip._NORM_FUSED = default
 
 
 def prepared(densities, variants, params, grads, programs: int) -> dict:

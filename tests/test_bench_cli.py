@@ -263,7 +263,7 @@ def test_sample_size_times_each_sample_and_restores_the_default(
 
 def test_norm_at_m_compares_both_sums_and_restores_the_rule(monkeypatch):
   bench = importlib.import_module('norm_at_m')
-  scape = importlib.import_module('scape_jax.optim._scape')
+  scape = importlib.import_module('scape_jax.optim._scape_clip')
   rule = scape._NORM_AT_M_MAX_DENSITY  # pylint: disable=protected-access
   # Gradients large enough that the clip acts, so its norm matters.
   params, grads = ({'w': scale * jax.random.normal(jax.random.key(i),
@@ -282,8 +282,8 @@ def test_norm_at_m_compares_both_sums_and_restores_the_rule(monkeypatch):
                         ('a', 'x', 2): 6.0}) == {('a', 'x'): (3.0, 3.0)}
   assert scape._NORM_AT_M_MAX_DENSITY == rule  # pylint: disable=protected-access
   # A sum at M that differed from the full one would be reported.
-  real = scape._squared_norms  # pylint: disable=protected-access
-  monkeypatch.setattr(scape, '_squared_norms', lambda *a: [
+  real = scape.squared_norms
+  monkeypatch.setattr(scape, 'squared_norms', lambda *a: [
       4 * s if scape._NORM_AT_M_MAX_DENSITY == 1 else s  # pylint: disable=protected-access
       for s in real(*a)])
   prep = bench.prepared([0.01], params, grads)
@@ -294,7 +294,7 @@ def test_norm_at_m_compares_both_sums_and_restores_the_rule(monkeypatch):
 def test_update_ab_shares_one_state_and_restores_the_switches():
   bench = importlib.import_module('update_ab')
   masks = importlib.import_module('scape_jax.comm.masks')
-  scape = importlib.import_module('scape_jax.optim._scape')
+  scape = importlib.import_module('scape_jax.optim._scape_clip')
   # pylint: disable=protected-access
   default = masks._STORE_OFFSETS, scape._NORM_FUSED
   # Gradients large enough that the clip acts, so its norm matters.
@@ -348,3 +348,25 @@ def test_quick_keeps_the_options_given(tmp_path, monkeypatch):
                   str(tmp_path)])
   assert {(r['tree'], r['repeats'], r['number']) for r in rows} == {
       ('llama-tiny', 4, 2)}
+
+
+def test_search_steer_counts_passes_both_ways_and_restores_the_steering():
+  bench = importlib.import_module('search_steer')
+  topk = importlib.import_module('scape_jax.comm.topk')
+  masks = importlib.import_module('scape_jax.comm.masks')
+  # pylint: disable=protected-access
+  default = topk._line_probes, topk._SAMPLED_MIN
+  x = np.random.default_rng(3).normal(size=1 << 16).astype(np.float32)
+  k = 655
+  want = np.zeros(x.size, bool)
+  want[np.argsort(-np.abs(x), kind='stable')[:k]] = True
+  for name in bench.STEERINGS:
+    per_leaf, words = bench.passes([(jax.numpy.asarray(x), k)], name)
+    assert len(per_leaf) == 1 and per_leaf[0] >= 1, name
+    np.testing.assert_array_equal(
+        words[0], np.asarray(masks.pack_bits(jax.numpy.asarray(want))), name)
+    assert (topk._line_probes, topk._SAMPLED_MIN) == default
+  with bench.steering('flat line'):
+    assert topk._line_probes is bench._flat_line
+    assert topk._SAMPLED_MIN == 16
+  assert (topk._line_probes, topk._SAMPLED_MIN) == default

@@ -30,6 +30,7 @@ from scape_jax.comm.axes import DATA
 from scape_jax.comm.collectives import all_gather_invariant, varying
 from scape_jax.optim import _common
 from scape_jax.optim import _memory
+from scape_jax.optim import _scape_clip
 from scape_jax.optim._density import DensitySchedule
 from scape_jax.optim._plan import CompressionPlan
 from scape_jax.optim import _wire
@@ -260,7 +261,7 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
       moment, mu, exchanged, plan, global_masks, hyper.b1, errors,
       hyper.variant)
   if hyper.clip_norm is not None:
-    gbar = _clip(gbar, hyper.clip_norm, _squared_norms(
+    gbar = _scape_clip.clip(gbar, hyper.clip_norm, _scape_clip.squared_norms(
         gbar, bbar, in_mask, mu, exchanged, plan, global_masks, hyper.b1))
   count = optax.safe_increment(state.count)
   direction, variant_state = _direction(mu, bbar, gbar, count, hyper,
@@ -395,73 +396,6 @@ def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1,
     bbar.append(b)
     in_masks.append(in_mask)
   return bbar, gbar, residual, in_masks
-
-
-# At or below this density the clip's norm sums only gbar's N*k entries at M
-# (`_squared_norms`), so XLA:CPU no longer stores a full-shape gbar for it;
-# above it, gathering m_{t-1} at M costs more than that saves (measured at
-# d = 0.1, 0.03 and 0.01: docs/benchmarks.md, "The clip's norm at M").
-_NORM_AT_M_MAX_DENSITY = 1 / 32
-
-
-def _squared_norms(gbar, bbar, in_mask, mu, exchanged, plan, global_masks,
-                   b1) -> list:
-  """gbar's squared norm, leaf by leaf, for the clip. On dense leaves summed
-  over gbar. On sparse leaves at or below `_NORM_AT_M_MAX_DENSITY`, over
-  its N*k entries at M (it is 0 elsewhere): Eq. 3 from the exchanged values
-  and m_{t-1} at M (0 at padding, where both are 0). On the other sparse
-  leaves over (bbar - b1 m) at M, times 1 / (1 - b1)**2: an expression
-  XLA cannot merge with gbar's, so that the norm's pass and the
-  direction's each compute it from bbar and m and no full-shape gbar is
-  stored (`_sum_squares`)."""
-  out = []
-  for g, b, inside, m, values, layout, mask in zip(
-      gbar, bbar, in_mask, mu, exchanged, plan.layouts, global_masks):
-    if mask is None:
-      out.append(optax.tree.norm(g, squared=True))
-    elif values.size > layout.padded * _NORM_AT_M_MAX_DENSITY:
-      out.append(_sum_squares(jnp.where(inside, b - b1 * m, 0.0))
-                 * (1.0 / (1.0 - b1))**2 if _NORM_FUSED else
-                 optax.tree.norm(g, squared=True))
-    else:
-      m_at = masks.gather_at(m, layout, mask.offsets)
-      out.append(optax.tree.norm((values - b1 * m_at) / (1.0 - b1),
-                                 squared=True))
-  return out
-
-
-# False: `_squared_norms` sums the stored full-shape gbar on the sparse leaves
-# above `_NORM_AT_M_MAX_DENSITY`, as before (read when traced;
-# `bench/update_ab.py`).
-_NORM_FUSED = True
-
-
-def _sum_squares(x: jax.Array) -> jax.Array:
-  """sum(x * x), as a reduction that XLA:CPU compiles itself, fused with
-  the producer of x. A plain f32 sum goes to YNNPACK, which needs its
-  operand stored first; this one also counts the elements (as int32: an
-  fp32 count was slower in an ad-hoc A/B) and reads the count, which keeps
-  it from YNNPACK. A leaf of 2**31 entries or more, whose count would
-  wrap, gets the plain sum."""
-  if x.size >= 1 << 31:
-    return jnp.sum(x * x)
-  squares, count = jax.lax.reduce(
-      (x * x, jnp.ones(x.shape, jnp.int32)), (jnp.float32(0), jnp.int32(0)),
-      lambda a, b: (a[0] + b[0], a[1] + b[1]), tuple(range(x.ndim)))
-  return squares + jnp.where(count < 0, 1.0, 0.0)  # count >= 0: + 0
-
-
-def _clip(gbar, clip_norm, squared_norms=None):
-  """Global-norm clip of the reconstructed mean gradient (Algorithm 1, l. 18);
-  the norm is the root of the sum of `squared_norms` where given
-  (`_squared_norms`)."""
-  if clip_norm is None:
-    return gbar
-  norm = (optax.tree.norm(gbar) if squared_norms is None else
-          jnp.sqrt(sum(squared_norms)))
-  factor = jnp.where((clip_norm > 0) & (norm > clip_norm),
-                     clip_norm / jnp.maximum(norm, 1e-30), 1.0)
-  return [g * factor for g in gbar]
 
 
 def _direction(mu_prev, bbar, gbar, count, hyper, in_mask, variant_state,

@@ -54,6 +54,7 @@ from scape_jax.comm import masks
 from scape_jax.comm.collectives import varying
 from scape_jax.optim import _common
 from scape_jax.optim import _scape
+from scape_jax.optim import _scape_clip
 
 
 # The variants whose mask ranks by an estimate of the workers' mean update
@@ -93,7 +94,7 @@ def update(grads, state, level: int, *, plan, hyper, schedule):
   flat = plan.treedef.flatten_up_to
   grad_leaves = [g.astype(jnp.float32) for g in flat(grads)]
   if hyper.clip_norm:  # each worker clips its own gradient
-    grad_leaves = _scape._clip(grad_leaves, hyper.clip_norm)
+    grad_leaves = _scape_clip.clip(grad_leaves, hyper.clip_norm)
   count = optax.safe_increment(state.count)
   sent, moments, current = _local_updates(grad_leaves, state, count, plan,
                                           hyper)
