@@ -1,8 +1,9 @@
 """The threshold search's steering: counting passes and update time.
 
-`comm.topk`'s search steers each counting pass by the sample while the
-bracket holds at least `topk._SAMPLED_MIN` sampled keys, then by a curve
-through the bracket's exact counts (`topk._line_probes`). This script
+`comm.search` steers each counting pass of the 'threshold' select by the
+sample while the bracket holds at least `search._SAMPLED_MIN` sampled
+keys, then by curves through the bracket's exact counts
+(`search._line_probes`). This script
 compares that steering ('as is') with the one before it ('flat line': a
 line in the count, flat density, and the sample down to 16 keys), on the
 m~ of SCAPE's steady-state update at N=1 (`optimizer_overhead`'s state):
@@ -31,6 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from scape_jax.comm import masks  # noqa: E402
+from scape_jax.comm import search  # noqa: E402
 from scape_jax.comm import topk  # noqa: E402
 
 # pylint: disable=protected-access
@@ -39,7 +41,7 @@ from scape_jax.comm import topk  # noqa: E402
 def _flat_line(b, k, spread):
   """The line before: (|x| at lo, c_lo) to (|x| at hi, c_hi), flat density."""
   m = (b.c_lo - b.c_hi).astype(jnp.float32)
-  low_value, high_value = topk._value(b.lo), topk._value(b.hi)
+  low_value, high_value = search._value(b.lo), search._value(b.hi)
 
   def at(rank):
     frac = jnp.clip((b.c_lo - rank) / m, 0.0, 1.0)
@@ -52,13 +54,13 @@ def _flat_line(b, k, spread):
 @contextlib.contextmanager
 def steering(name: str):
   """The library's search as it is, or with the steering before it."""
-  saved = topk._line_probes, topk._SAMPLED_MIN
+  saved = search._line_probes, search._SAMPLED_MIN
   if name == 'flat line':
-    topk._line_probes, topk._SAMPLED_MIN = _flat_line, 16  # open or closed
+    search._line_probes, search._SAMPLED_MIN = _flat_line, 16  # open or closed
   try:
     yield
   finally:
-    topk._line_probes, topk._SAMPLED_MIN = saved
+    search._line_probes, search._SAMPLED_MIN = saved
 
 
 STEERINGS = ('as is', 'flat line')

@@ -352,10 +352,10 @@ def test_quick_keeps_the_options_given(tmp_path, monkeypatch):
 
 def test_search_steer_counts_passes_both_ways_and_restores_the_steering():
   bench = importlib.import_module('search_steer')
-  topk = importlib.import_module('scape_jax.comm.topk')
+  search = importlib.import_module('scape_jax.comm.search')
   masks = importlib.import_module('scape_jax.comm.masks')
   # pylint: disable=protected-access
-  default = topk._line_probes, topk._SAMPLED_MIN
+  default = search._line_probes, search._SAMPLED_MIN
   x = np.random.default_rng(3).normal(size=1 << 16).astype(np.float32)
   k = 655
   want = np.zeros(x.size, bool)
@@ -365,8 +365,8 @@ def test_search_steer_counts_passes_both_ways_and_restores_the_steering():
     assert len(per_leaf) == 1 and per_leaf[0] >= 1, name
     np.testing.assert_array_equal(
         words[0], np.asarray(masks.pack_bits(jax.numpy.asarray(want))), name)
-    assert (topk._line_probes, topk._SAMPLED_MIN) == default
+    assert (search._line_probes, search._SAMPLED_MIN) == default
   with bench.steering('flat line'):
-    assert topk._line_probes is bench._flat_line
-    assert topk._SAMPLED_MIN == 16
-  assert (topk._line_probes, topk._SAMPLED_MIN) == default
+    assert search._line_probes is bench._flat_line
+    assert search._SAMPLED_MIN == 16
+  assert (search._line_probes, search._SAMPLED_MIN) == default

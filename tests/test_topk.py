@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from scape_jax.comm import masks, radix, topk
+from scape_jax.comm import masks, radix, search, topk
 
 NAN_KEY = 0x7F800001
 
@@ -230,7 +230,7 @@ def test_radix_lowers_without_loops_or_branches_and_pins_any_key():
     assert op not in text, op
   # RADIX_PASSES narrow [PAD_KEY, NAN_KEY + 1) to one key, one pass fewer
   # would not.
-  span = topk.NAN_KEY + 1 - topk.PAD_KEY
+  span = search.NAN_KEY + 1 - search.PAD_KEY
   assert span <= radix.RADIX ** radix.RADIX_PASSES
   assert span > radix.RADIX ** (radix.RADIX_PASSES - 1)
 
@@ -282,7 +282,7 @@ def test_first_nonzero_matches_numpy(n, size, p):
   counts[rng.integers(0, n)] = 1
   want = np.flatnonzero(counts)[:size]
   want = np.concatenate([want, np.full(size - want.size, n)])
-  got = topk._first_nonzero(jnp.asarray(counts, jnp.int32), size)
+  got = search._first_nonzero(jnp.asarray(counts, jnp.int32), size)
   np.testing.assert_array_equal(np.asarray(got), want)
 
 
@@ -344,7 +344,7 @@ def test_the_finish_makes_no_counting_pass_of_its_own(stride, monkeypatch):
       np.float32)
   x[::stride] = x[0]
   ties = topk.SAMPLE // stride + 1
-  assert (ties > topk.FINISH) == (stride == 7)
+  assert (ties > search.FINISH) == (stride == 7)
   k = int(np.sum(np.abs(x) > abs(x[0]))) + ties // 2  # T = |x[0]|
   assert _passes(x, k, monkeypatch) == 1
 
