@@ -252,6 +252,27 @@ def ab_parser(doc: str, densities, repeats: int,
   return p
 
 
+def prepared_on_one_state(densities, variants: dict, params, grads,
+                          programs: int) -> dict:
+  """(label, variant, program) -> `Prepared` for the one-process A/B
+  scripts: optax.adamw once (variant None), and SCAPE at each density
+  under each of `variants` (name -> a context manager factory, entered
+  while the update is traced), `programs` times each. Every SCAPE program
+  of a density runs on the state of that density's first program."""
+  methods_ = methods(densities)
+  out = {('optax.adamw', None, 0): prepare(methods_['optax.adamw'], params,
+                                           grads)}
+  for d in densities:
+    label, shared = f'scape d={d:g}', None
+    for name, context in variants.items():
+      for i in range(programs):
+        with context():
+          p = prepare(methods_[label], params, grads)
+        shared = p.state if shared is None else shared
+        out[label, name, i] = p._replace(state=shared)
+  return out
+
+
 def interleaved_times(prepared: dict, grads, params, repeats: int,
                       number: int) -> dict:
   """label -> seconds per call, `repeats` samples, methods interleaved.

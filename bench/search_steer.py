@@ -18,8 +18,10 @@ m~ of SCAPE's steady-state update at N=1 (`optimizer_overhead`'s state):
 """
 
 import contextlib
+import functools
 import os
 import sys
+from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'bench'))
@@ -51,16 +53,13 @@ def _flat_line(b, k, spread):
   return at(k + spread), at(k - spread)
 
 
-@contextlib.contextmanager
 def steering(name: str):
-  """The library's search as it is, or with the steering before it."""
-  saved = search._line_probes, search._SAMPLED_MIN
+  """The library's search as it is, or with the steering before it (16
+  sampled keys, open bracket or closed)."""
   if name == 'flat line':
-    search._line_probes, search._SAMPLED_MIN = _flat_line, 16  # open or closed
-  try:
-    yield
-  finally:
-    search._line_probes, search._SAMPLED_MIN = saved
+    return mock.patch.multiple(search, _line_probes=_flat_line,
+                               _SAMPLED_MIN=16)
+  return contextlib.nullcontext()
 
 
 STEERINGS = ('as is', 'flat line')
@@ -90,7 +89,7 @@ def passes(moments, name: str) -> tuple:
     return count(*args)
 
   per_leaf, words = [], []
-  with steering(name), _patched(topk, '_jnp_count', counted):
+  with steering(name), mock.patch.object(topk, '_jnp_count', counted):
     run = jax.jit(lambda x, k: topk.threshold_topk_words(x, x.shape[0], k))
     for mt, k in moments:
       calls.clear()
@@ -100,39 +99,24 @@ def passes(moments, name: str) -> tuple:
   return per_leaf, words
 
 
-@contextlib.contextmanager
-def _patched(module, name, value):
-  saved = getattr(module, name)
-  setattr(module, name, value)
-  try:
-    yield
-  finally:
-    setattr(module, name, saved)
-
-
 def main(argv=None):
   p = oo.ab_parser(__doc__, [0.1, 0.01], 9, 'search_steer')
   p.add_argument('--programs', type=cli_types.positive_int, default=2)
   args = p.parse_args(argv)
   cli_types.check_out_dir(p, args.out)
   params, grads = oo.param_tree(args.tree)
-  methods = oo.methods(args.densities)
-  prep = {('optax.adamw', None, 0): oo.prepare(methods['optax.adamw'],
-                                               params, grads)}
+  prep = oo.prepared_on_one_state(
+      args.densities, {n: functools.partial(steering, n) for n in STEERINGS},
+      params, grads, args.programs)
   lines = [f'<!-- python bench/search_steer.py {" ".join(argv or sys.argv[1:])} -->',
            f'jax {jax.__version__} on {jax.devices()[0].device_kind}; '
            f'{args.tree}, N=1, select=\'threshold\' (the CPU default)', '',
            '| density | steering | counting passes per leaf | mean, weighted '
            'by leaf size |', '|---|---|---|---|']
   for d in args.densities:
-    label, shared = f'scape d={d:g}', None
-    for name in STEERINGS:
-      for i in range(args.programs):
-        with steering(name):
-          prepared = oo.prepare(methods[label], params, grads)
-        shared = prepared.state if shared is None else shared
-        prep[label, name, i] = prepared._replace(state=shared)
-    moments = semi_updated_moments(shared, grads, d)
+    label = f'scape d={d:g}'
+    moments = semi_updated_moments(prep[label, STEERINGS[0], 0].state, grads,
+                                   d)
     sizes = np.array([mt.size for mt, _ in moments])
     first = None
     for name in STEERINGS:

@@ -24,6 +24,7 @@ and reports each variant's temporaries.
 """
 
 import contextlib
+import functools
 import os
 import sys
 
@@ -60,18 +61,9 @@ def prepared(densities, variants, params, grads, programs: int) -> dict:
   """(label, variant, program) -> `oo.Prepared`; variant None for adamw
   (one program). Every SCAPE program of a density gets the state of that
   density's first program."""
-  methods = oo.methods(densities)
-  out = {('optax.adamw', None, 0): oo.prepare(methods['optax.adamw'], params,
-                                              grads)}
-  for d in densities:
-    label, shared = f'scape d={d:g}', None
-    for variant in variants:
-      for i in range(programs):
-        with switched(variant):
-          p = oo.prepare(methods[label], params, grads)
-        shared = p.state if shared is None else shared
-        out[label, variant, i] = p._replace(state=shared)
-  return out
+  return oo.prepared_on_one_state(
+      densities, {v: functools.partial(switched, v) for v in variants},
+      params, grads, programs)
 
 
 def check_same(prep: dict, params, grads) -> None:
