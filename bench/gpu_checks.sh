@@ -4,7 +4,8 @@
 # limit so that a slow one still leaves the others' output:
 #
 #   bash bench/gpu_checks.sh select [OUT]    # per-chunk times + profiles
-#   bash bench/gpu_checks.sh update [OUT]    # the overhead table + GPU tests
+#   bash bench/gpu_checks.sh update [OUT]    # the overhead table, GPU tests,
+#                                            # profiles of the update
 #
 # SELECTS (default 'pallas_radix radix'; the third session ran
 # 'sort_keys pallas_radix') names the candidates beside 'sort' and 'auto'. OUT (default runs/gpu) gets each step's log and
@@ -48,10 +49,21 @@ elif [ "$step" = update ]; then
   run 300 overhead env JAX_PLATFORMS=cuda python3 bench/optimizer_overhead.py \
     --trees llama-100m --densities 0.1 0.01 --selects auto $selects \
     --number 5 --repeats 5 --out "$work"
-  run 200 test_gpu env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q \
+  # Four test processes share the GPU (no preallocation): the tests are
+  # mostly compiling, on the machine's CPU cores.
+  run 150 test_gpu env JAX_PLATFORMS=cuda,cpu \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n 4 \
     -p no:cacheprovider tests/test_gpu.py
   cp "$work"/optimizer_overhead.{md,json} "$work/test_gpu.log" "$out/" \
     2>/dev/null
+  for s in auto $selects; do  # Where the update's time goes, per select.
+    mkdir -p "$work/profile_$s"
+    label="scape d=0.1"; [ "$s" = auto ] || label="$label select=$s"
+    run 50 "profile_$s" env JAX_PLATFORMS=cuda python3 bench/update_profile.py \
+      --method "$label" --top 30 --out "$work/profile_$s"
+    cp "$work/profile_$s/update_profile.md" "$out/profile_$s.md" 2>/dev/null
+    rm -f "$work/profile_$s"/*.trace.json.gz
+  done
 else
   echo "unknown step '$step': select or update" >&2
   exit 2
