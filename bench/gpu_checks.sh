@@ -7,13 +7,15 @@
 #   bash bench/gpu_checks.sh update [OUT]    # the overhead table, GPU tests,
 #                                            # profiles of the update
 #
-# SELECTS (default 'pallas_radix radix'; the third session ran
-# 'sort_keys pallas_radix') names the candidates beside 'sort' and 'auto'. OUT (default runs/gpu) gets each step's log and
-# table, and gpu_checks.tgz with all of them.
+# SELECTS (default 'sort'; the third session ran 'sort_keys pallas_radix',
+# the fourth 'pallas_radix' while 'auto' was still 'sort') names the
+# candidates beside 'auto' ('pallas_radix' on cuda) and, in the select step,
+# 'sort'. OUT (default runs/gpu) gets each step's log and table, and
+# gpu_checks.tgz with all of them.
 set -u
 step=${1:?usage: bash bench/gpu_checks.sh select|update [OUT]}
 out=${2:-${OUT:-runs/gpu}}
-selects=${SELECTS:-pallas_radix radix}
+selects=${SELECTS:-sort}
 work=$(mktemp -d)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -32,18 +34,24 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv \
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' \
   | tee -a "$work/device.log"
 
+profile() {  # profile SELECT: where the update's time goes at d = 0.1
+  local s=$1 label="scape d=0.1"
+  [ "$s" = auto ] || label="$label select=$s"
+  mkdir -p "$work/profile_$s"
+  run 50 "profile_$s" env JAX_PLATFORMS=cuda python3 bench/update_profile.py \
+    --method "$label" --top 30 --out "$work/profile_$s"
+  cp "$work/profile_$s/update_profile.md" "$out/profile_$s.md" 2>/dev/null
+  rm -f "$work/profile_$s"/*.trace.json.gz
+}
+
 if [ "$step" = select ]; then
-  # llama-100m's leaf sizes, k = c/100 and c/10.
+  # llama-100m's leaf sizes, k = c/100 and c/10; 'pallas_radix' is 'auto'
+  # on cuda.
+  cands=$(printf '%s\n' pallas_radix $selects | awk '!seen[$0]++')
   run 150 crossover env JAX_PLATFORMS=cuda python3 bench/select_crossover.py \
-    --selects sort $selects --chunks 1179648 6291456 12288000 \
+    --selects $cands --chunks 1179648 6291456 12288000 \
     --widths 100 10 --out "$work"
-  for s in $selects sort; do
-    mkdir -p "$work/profile_$s"
-    run 60 "profile_$s" env JAX_PLATFORMS=cuda python3 bench/update_profile.py \
-      --method "scape d=0.1 select=$s" --top 30 --out "$work/profile_$s"
-    cp "$work/profile_$s/update_profile.md" "$out/profile_$s.md" 2>/dev/null
-    rm -f "$work/profile_$s"/*.trace.json.gz
-  done
+  for s in auto $selects; do profile "$s"; done
   cp "$work/select_crossover.md" "$out/" 2>/dev/null
 elif [ "$step" = update ]; then
   run 300 overhead env JAX_PLATFORMS=cuda python3 bench/optimizer_overhead.py \
@@ -56,14 +64,7 @@ elif [ "$step" = update ]; then
     -p no:cacheprovider tests/test_gpu.py
   cp "$work"/optimizer_overhead.{md,json} "$work/test_gpu.log" "$out/" \
     2>/dev/null
-  for s in auto $selects; do  # Where the update's time goes, per select.
-    mkdir -p "$work/profile_$s"
-    label="scape d=0.1"; [ "$s" = auto ] || label="$label select=$s"
-    run 50 "profile_$s" env JAX_PLATFORMS=cuda python3 bench/update_profile.py \
-      --method "$label" --top 30 --out "$work/profile_$s"
-    cp "$work/profile_$s/update_profile.md" "$out/profile_$s.md" 2>/dev/null
-    rm -f "$work/profile_$s"/*.trace.json.gz
-  done
+  for s in auto $selects; do profile "$s"; done
 else
   echo "unknown step '$step': select or update" >&2
   exit 2

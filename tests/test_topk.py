@@ -195,18 +195,24 @@ def test_auto_resolves_per_lowering_platform():
                                          select='sort')))
 
 
-def test_auto_lowers_the_sort_for_gpus_and_the_search_for_cpu():
+def test_auto_lowers_per_platform_for_all_chunks_at_once():
   # One traced program; the platform it is lowered for picks the branch
-  # (AUTO_SELECT: measured on an H100, docs/benchmarks.md section 2).
-  x = jnp.ones((1 << 14,))
-  traced = jax.jit(lambda x, k: topk.chunk_topk_words(x, x.size, 4096, k)
-                   ).trace(x, jnp.int32(100))
+  # (AUTO_SELECT: measured on an H100, docs/benchmarks.md section 2): the
+  # search on cpu, the Triton radix passes on cuda (both chunks in one set
+  # of passes), the sort on rocm.
+  x, y = jnp.ones((1 << 14,)), jnp.ones((5000,))
+  traced = jax.jit(lambda x, y, k: topk.chunks_topk_words(
+      [x, y], [x.size, y.size], [4096, 2000], [k, k])).trace(
+          x, y, jnp.int32(100))
   text = {p: traced.lower(lowering_platforms=(p,)).as_text()
           for p in ('cpu', 'cuda', 'rocm')}
   assert 'stablehlo.while' in text['cpu']  # the threshold search
+  assert '__gpu$xla.gpu.triton' not in text['cpu']
   for gpu in ('cuda', 'rocm'):
     assert 'stablehlo.while' not in text[gpu]
-    assert 'chlo.top_k' in text[gpu]  # lax.top_k
+  assert 'chlo.top_k' in text['rocm']  # lax.top_k
+  assert 'chlo.top_k' not in text['cuda']
+  assert '__gpu$xla.gpu.triton' in text['cuda']
 
 
 def test_radix_lowers_without_loops_or_branches_and_pins_any_key():

@@ -49,9 +49,11 @@ Selections (`SELECTS`):
     search's, so on CPU it is the slower one (`bench/select_crossover.py`).
   * 'pallas_radix': 'radix' with its passes as Pallas kernels
     (`scape_jax.kernels.topk_segments`): one launch per pass for all the
-    chunks.
+    chunks. The default on cuda: on an H100 the update with it took 0.80x
+    (d = 0.1) and 0.84x (d = 0.01) of the update with 'sort'.
   * 'auto': `AUTO_SELECT[platform]`, resolved when the program is lowered
-    (`jax.lax.platform_dependent`), so a program lowered for another
+    (`jax.lax.platform_dependent`, one branch per platform around all the
+    chunks of a `chunks_topk_words` call), so a program lowered for another
     platform gets that platform's choice. Except: where the top-k width is
     at most `AUTO_SORT_MAX_WIDTH` of the backend the program is *traced* on
     (`backend_platform()`), 'sort' (XLA:CPU's top-k costs about linear in
@@ -59,6 +61,7 @@ Selections (`SELECTS`):
     `bench/select_crossover.py`). Both give the same bits.
 """
 
+import functools
 from typing import Callable, NamedTuple, Sequence
 
 import jax
@@ -74,11 +77,13 @@ from scape_jax.kernels.topk_mask import PAD_KEY, magnitude_key
 SELECTS = ('auto', 'sort', 'sort_keys', 'threshold', 'pallas', 'radix',
            'pallas_radix')
 # The default per lowering platform ('auto'), by measurement where there is
-# one (docs/benchmarks.md, section 2): on an H100 the sort is 2.6x faster
+# one (docs/benchmarks.md, section 2). On an H100 the sort was 2.6x faster
 # than the search, whose while loops wait on the host at every pass, and
-# faster than 'sort_keys' and 'pallas_radix' in the update; rocm runs XLA's
-# GPU runtime too (not measured); tpu: not measured.
-AUTO_SELECT = {'cpu': 'threshold', 'cuda': 'sort', 'rocm': 'sort',
+# 'pallas_radix' (every chunk in one set of Triton passes) made the update
+# 0.80x / 0.84x of the sort's at d = 0.1 / 0.01. rocm runs XLA's GPU
+# runtime too; its Triton kernels are not measured, so it keeps the sort.
+# tpu: not measured.
+AUTO_SELECT = {'cpu': 'threshold', 'cuda': 'pallas_radix', 'rocm': 'sort',
                'tpu': 'threshold'}
 # 'auto' takes 'sort' for a width up to this, per platform (measured on CPU
 # only: `bench/select_crossover.py`; no entry: never).
@@ -109,23 +114,9 @@ def chunk_topk_words(scores: jax.Array, num_valid, width: int, k, *,
     chosen offsets; exactly k bits.
   """
   check_select(select, 'chunk_topk_words')
-  c = scores.shape[0]
-  _check_width(width, c, 'chunk_topk_words')
-  k = jnp.asarray(k, jnp.int32)
-  num_valid = jnp.asarray(num_valid, jnp.int32)
-  if select == 'auto' and width <= AUTO_SORT_MAX_WIDTH.get(
-      backend_platform(), 0):
-    select = 'sort'  # by the backend this is traced on (see the docstring)
-  if select == 'auto':
-    choices = sorted(set(AUTO_SELECT.values()))
-    if len(choices) == 1:
-      select = choices[0]
-    else:
-      branches = {p: _bound(s, width) for p, s in AUTO_SELECT.items()}
-      return jax.lax.platform_dependent(
-          scores, num_valid, k, default=_bound('threshold', width),
-          **branches)
-  return _bound(select, width)(scores, num_valid, k)
+  _check_width(width, scores.shape[0], 'chunk_topk_words')
+  return chunks_topk_words([scores], [num_valid], [width], [k],
+                           select=select)[0]
 
 
 def chunks_topk_words(scores: Sequence[jax.Array], num_valid: Sequence,
@@ -133,15 +124,46 @@ def chunks_topk_words(scores: Sequence[jax.Array], num_valid: Sequence,
                       select: str = 'auto') -> list:
   """`chunk_topk_words` of many chunks (the same bits): 'radix' and
   'pallas_radix' select them all in one set of passes, the other selects
-  one chunk at a time."""
+  one chunk at a time. 'auto' picks one select for all the chunks it does
+  not give to the sort (`AUTO_SORT_MAX_WIDTH`), when lowered."""
   check_select(select, 'chunks_topk_words')
-  if select not in RADIX_SELECTS:
-    return [chunk_topk_words(x, n, w, k, select=select)
-            for x, n, w, k in zip(scores, num_valid, widths, ks)]
   for x, w in zip(scores, widths):
     _check_width(w, x.shape[0], 'chunks_topk_words')
-  return radix.radix_topk_words_many(
-      scores, num_valid, ks, use_pallas=select == 'pallas_radix')
+  ks = [jnp.asarray(k, jnp.int32) for k in ks]
+  num_valid = [jnp.asarray(n, jnp.int32) for n in num_valid]
+  if select != 'auto':
+    return _select_many(select, widths, scores, num_valid, ks)
+  out = [None] * len(scores)
+  narrow = AUTO_SORT_MAX_WIDTH.get(backend_platform(), 0)
+  rest = []
+  for i, w in enumerate(widths):
+    if w <= narrow:  # by the backend this is traced on (module docstring)
+      out[i] = sort_topk_words(scores[i], num_valid[i], w, ks[i])
+    else:
+      rest.append(i)
+  if rest:
+    args = [[a[i] for i in rest] for a in (scores, num_valid, ks)]
+    rest_widths = [widths[i] for i in rest]
+    branch = lambda s: functools.partial(_select_many, s, rest_widths)
+    choices = set(AUTO_SELECT.values())
+    if len(choices) == 1:
+      words = branch(choices.pop())(*args)
+    else:
+      words = jax.lax.platform_dependent(
+          *args, default=branch('threshold'),
+          **{p: branch(s) for p, s in AUTO_SELECT.items()})
+    for i, w in zip(rest, words):
+      out[i] = w
+  return out
+
+
+def _select_many(select: str, widths, scores, num_valid, ks) -> list:
+  """Every chunk's words by one select other than 'auto'."""
+  if select in RADIX_SELECTS:
+    return radix.radix_topk_words_many(
+        scores, num_valid, ks, use_pallas=select == 'pallas_radix')
+  return [_bound(select, w)(x, n, k)
+          for x, n, w, k in zip(scores, num_valid, widths, ks)]
 
 
 def _check_width(width: int, c: int, where: str) -> None:
@@ -172,9 +194,6 @@ def _bound(select: str, width: int) -> Callable:
     return lambda x, n, k: sort_topk_words(x, n, width, k)
   if select == 'sort_keys':
     return sort_keys_topk_words
-  if select in RADIX_SELECTS:
-    return lambda x, n, k: radix.radix_topk_words_many(
-        [x], [n], [k], use_pallas=select == 'pallas_radix')[0]
   return lambda x, n, k: threshold_topk_words(
       x, n, k, use_pallas=select == 'pallas')
 

@@ -404,19 +404,18 @@ def _select(corrected, masks, plan: RadiusPlan, index_radius: int,
             select: str) -> list:
   """New shared masks: per sparse leaf, the top-k of |corrected| (ties:
   lower index first) as ascending offsets, widened."""
-  out = []
-  for j, (u, mask) in enumerate(zip(corrected, masks)):
-    if plan.slots[j] is None:
-      out.append(mask)
-      continue
-    scores, k = u.reshape(-1), plan.k[j]
-    words = topk.chunk_topk_words(scores, scores.shape[0], k, k,
-                                  select=select)
-    centres = mask_bits.words_to_offsets(words[None], k)[0]
-    if index_radius == 0:
-      out.append(centres)
-    else:
-      out.append(_widen(centres, plan.size(j), index_radius, plan.slots[j]))
+  sparse = [j for j in range(len(masks)) if plan.slots[j] is not None]
+  scores = [corrected[j].reshape(-1) for j in sparse]
+  ks = [plan.k[j] for j in sparse]
+  # Every sparse leaf in one call: the radix selects take them in one set
+  # of passes.
+  words = topk.chunks_topk_words(scores, [x.shape[0] for x in scores], ks,
+                                 ks, select=select)
+  out = list(masks)
+  for j, w, k in zip(sparse, words, ks):
+    centres = mask_bits.words_to_offsets(w[None], k)[0]
+    out[j] = centres if index_radius == 0 else _widen(
+        centres, plan.size(j), index_radius, plan.slots[j])
   return out
 
 
