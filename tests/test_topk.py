@@ -193,6 +193,16 @@ def test_auto_resolves_per_lowering_platform():
         np.asarray(topk.chunk_topk_words(x, 4000, width, width)),
         np.asarray(topk.chunk_topk_words(x, 4000, width, width,
                                          select='sort')))
+  # Many chunks in one call, narrow and wide mixed: each chunk's bits as
+  # the sort gives them alone.
+  y = jax.random.normal(jax.random.key(2), (3000,))
+  chunks, widths = [x, y, x[:2500], y[:900]], [16, 1500, 2000, 900]
+  valid, ks = [4000, 2999, 2500, 900], [16, 1234, 1999, 700]
+  got = topk.chunks_topk_words(chunks, valid, widths, ks)
+  for g, c, n, w, k in zip(got, chunks, valid, widths, ks):
+    np.testing.assert_array_equal(
+        np.asarray(g), np.asarray(topk.chunk_topk_words(c, n, w, k,
+                                                        select='sort')))
 
 
 def test_auto_lowers_per_platform_for_all_chunks_at_once():
