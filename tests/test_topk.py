@@ -223,6 +223,12 @@ def test_auto_lowers_per_platform_for_all_chunks_at_once():
   assert 'chlo.top_k' in text['rocm']  # lax.top_k
   assert 'chlo.top_k' not in text['cuda']
   assert '__gpu$xla.gpu.triton' in text['cuda']
+  # One set of passes: the kernels of one chunk's program (count, tie
+  # count, mask), where two chunks selected apart lower them per shape.
+  one = jax.jit(lambda x, k: topk.chunks_topk_words(
+      [x], [x.size], [4096], [k])).trace(x, jnp.int32(100)).lower(
+          lowering_platforms=('cuda',)).as_text()
+  assert text['cuda'].count('custom_call') == one.count('custom_call') == 3
 
 
 def test_radix_lowers_without_loops_or_branches_and_pins_any_key():
