@@ -1,6 +1,7 @@
 """Exact chunk top-k: the sort-free selections against the sort path and NumPy."""
 
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -229,6 +230,25 @@ def test_auto_lowers_per_platform_for_all_chunks_at_once():
       [x], [x.size], [4096], [k])).trace(x, jnp.int32(100)).lower(
           lowering_platforms=('cuda',)).as_text()
   assert text['cuda'].count('custom_call') == one.count('custom_call') == 3
+
+
+def test_auto_traces_each_select_once():
+  # cpu, tpu and the default branch all take the search: one trace of it
+  # per chunk, not one per platform (a trace of a large update costs
+  # seconds).
+  calls = []
+  search = topk.threshold_topk_words
+
+  def counted(*args, **kwargs):
+    calls.append(1)
+    return search(*args, **kwargs)
+
+  x = jnp.ones((1 << 14,))
+  with mock.patch.object(topk, 'threshold_topk_words', counted):
+    jax.jit(lambda x, k: topk.chunks_topk_words(
+        [x, x[:5000]], [x.size, 5000], [4096, 2000], [k, k])).trace(
+            x, jnp.int32(100))
+  assert len(calls) == 2
 
 
 def test_radix_lowers_without_loops_or_branches_and_pins_any_key():

@@ -143,15 +143,17 @@ def chunks_topk_words(scores: Sequence[jax.Array], num_valid: Sequence,
       rest.append(i)
   if rest:
     args = [[a[i] for i in rest] for a in (scores, num_valid, ks)]
-    rest_widths = [widths[i] for i in rest]
-    branch = lambda s: functools.partial(_select_many, s, rest_widths)
-    choices = set(AUTO_SELECT.values())
-    if len(choices) == 1:
-      words = branch(choices.pop())(*args)
+    # One callable per select: platform_dependent joins the platforms of
+    # equal branches, and a branch traced again for another platform (or
+    # the default) hits JAX's tracing cache, so each select is traced once.
+    branch = {s: functools.partial(_select_many, s, [widths[i] for i in rest])
+              for s in set(AUTO_SELECT.values()) | {'threshold'}}
+    if len(set(AUTO_SELECT.values())) == 1:
+      words = branch[AUTO_SELECT['cpu']](*args)
     else:
       words = jax.lax.platform_dependent(
-          *args, default=branch('threshold'),
-          **{p: branch(s) for p, s in AUTO_SELECT.items()})
+          *args, default=branch['threshold'],
+          **{p: branch[s] for p, s in AUTO_SELECT.items()})
     for i, w in zip(rest, words):
       out[i] = w
   return out
