@@ -148,12 +148,9 @@ def chunks_topk_words(scores: Sequence[jax.Array], num_valid: Sequence,
     # the default) hits JAX's tracing cache, so each select is traced once.
     branch = {s: functools.partial(_select_many, s, [widths[i] for i in rest])
               for s in set(AUTO_SELECT.values()) | {'threshold'}}
-    if len(set(AUTO_SELECT.values())) == 1:
-      words = branch[AUTO_SELECT['cpu']](*args)
-    else:
-      words = jax.lax.platform_dependent(
-          *args, default=branch['threshold'],
-          **{p: branch[s] for p, s in AUTO_SELECT.items()})
+    words = jax.lax.platform_dependent(
+        *args, default=branch['threshold'],
+        **{p: branch[s] for p, s in AUTO_SELECT.items()})
     for i, w in zip(rest, words):
       out[i] = w
   return out
@@ -164,7 +161,7 @@ def _select_many(select: str, widths, scores, num_valid, ks) -> list:
   if select in RADIX_SELECTS:
     return radix.radix_topk_words_many(
         scores, num_valid, ks, use_pallas=select == 'pallas_radix')
-  return [_bound(select, w)(x, n, k)
+  return [_select_one(select, x, n, w, k)
           for x, n, w, k in zip(scores, num_valid, widths, ks)]
 
 
@@ -191,13 +188,13 @@ def auto_select(platform: str, width: int) -> str:
   return AUTO_SELECT.get(platform, 'threshold')
 
 
-def _bound(select: str, width: int) -> Callable:
+def _select_one(select: str, x, num_valid, width: int, k) -> jax.Array:
+  """One chunk's words by 'sort', 'sort_keys', 'threshold' or 'pallas'."""
   if select == 'sort':
-    return lambda x, n, k: sort_topk_words(x, n, width, k)
+    return sort_topk_words(x, num_valid, width, k)
   if select == 'sort_keys':
-    return sort_keys_topk_words
-  return lambda x, n, k: threshold_topk_words(
-      x, n, k, use_pallas=select == 'pallas')
+    return sort_keys_topk_words(x, num_valid, k)
+  return threshold_topk_words(x, num_valid, k, use_pallas=select == 'pallas')
 
 
 # ----------------------------------------------------------------------------
