@@ -1,7 +1,7 @@
-"""SCAPE's update with two of its XLA:CPU fixes undone, all on one state.
+"""SCAPE's update with some of its XLA:CPU fixes undone, all on one state.
 
 Times SCAPE's whole update at N=1 (`optimizer_overhead`'s method, steady
-state) as it is and with one or both of two changes undone, beside
+state) as it is and with one or more of three changes undone, beside
 optax.adamw, all interleaved in one process:
 
   * 'decode twice': `masks.words_to_offsets` does not store its offsets
@@ -9,7 +9,11 @@ optax.adamw, all interleaved in one process:
     payload gather as well as in the scatters' index;
   * 'norm over gbar': the clip's norm sums the stored full-shape gbar on
     the sparse leaves above `_scape_clip._NORM_AT_M_MAX_DENSITY`
-    (`_scape_clip._NORM_FUSED`), not (bbar - b1 m) at M in a pass of its own.
+    (`_scape_clip._NORM_FUSED`), not (bbar - b1 m) at M in a pass of its own;
+  * 'residual copied': `masks.set_at` ignores its `after`
+    (`masks._SCATTER_AFTER`): the residual's scatter is not ordered after
+    the select and the payload gather, and XLA copies each stored m~
+    before writing the residual into it.
 
 The switches are read when the update is traced, so each variant gets its
 own programs, `--programs` of them. Every SCAPE program runs on the same
@@ -40,21 +44,27 @@ import numpy as np  # noqa: E402
 from scape_jax.comm import masks  # noqa: E402
 from scape_jax.optim import _scape_clip  # noqa: E402
 
-# variant -> (masks._STORE_OFFSETS, _scape_clip._NORM_FUSED)
-VARIANTS = {'as is': (True, True), 'decode twice': (False, True),
-            'norm over gbar': (True, False), 'both undone': (False, False)}
+# variant -> (masks._STORE_OFFSETS, _scape_clip._NORM_FUSED,
+#             masks._SCATTER_AFTER)
+VARIANTS = {'as is': (True, True, True), 'decode twice': (False, True, True),
+            'norm over gbar': (True, False, True),
+            'both undone': (False, False, True),
+            'residual copied': (True, True, False)}
 
 
 @contextlib.contextmanager
 def switched(variant: str):
-  """The two switches set for `variant` while tracing, then restored."""
+  """The switches set for `variant` while tracing, then restored."""
   # pylint: disable=protected-access
-  default = masks._STORE_OFFSETS, _scape_clip._NORM_FUSED
-  masks._STORE_OFFSETS, _scape_clip._NORM_FUSED = VARIANTS[variant]
+  default = (masks._STORE_OFFSETS, _scape_clip._NORM_FUSED,
+             masks._SCATTER_AFTER)
+  (masks._STORE_OFFSETS, _scape_clip._NORM_FUSED,
+   masks._SCATTER_AFTER) = VARIANTS[variant]
   try:
     yield
   finally:
-    masks._STORE_OFFSETS, _scape_clip._NORM_FUSED = default
+    (masks._STORE_OFFSETS, _scape_clip._NORM_FUSED,
+     masks._SCATTER_AFTER) = default
 
 
 def prepared(densities, variants, params, grads, programs: int) -> dict:

@@ -1,6 +1,8 @@
 """SCAPE (Algorithm 1) against AdamS and an independent NumPy simulation."""
 
 import functools
+import re
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -577,6 +579,46 @@ def test_rejects_bad_mask_encoding():
 def test_rejects_bad_select():
   with pytest.raises(ValueError, match=r"select='heap'.*'threshold'"):
     scape_jax.scape(1e-2, density=0.1, select='heap')
+
+
+@pytest.mark.parametrize('n', [1, 2])
+def test_residual_is_written_into_m_tilde_without_a_copy(n):
+  """The residual's scatter follows the select and the payload gather
+  (`masks.set_at`'s `after`), so XLA writes it into m~'s buffer: no
+  full-size copy of m~ in the compiled update. Without the ordering XLA
+  copies each large leaf's m~ (checked, so the test can fail)."""
+  shapes = {'w': (1024, 512), 'v': (512, 768), 'u': (768, 512), 'b': (256,)}
+  params = _params(shapes=shapes)
+  grads = jax.device_put(_worker_grads(params, n, 1)[0],
+                         NamedSharding(_mesh(n), P('data')))
+
+  def copies():
+    runner = Runner(scape_jax.scape(1e-3, density=0.1), params, n)
+    text = runner._step(None).lower(runner.params, runner.state,  # pylint: disable=protected-access
+                                    grads).compile().as_text()
+    return sorted(int(x) for x in re.findall(
+        r'= f32\[(\d+)\]\{0\} copy\(', text) if int(x) >= 1 << 16)
+
+  assert copies() == []
+  with mock.patch.object(masks, '_SCATTER_AFTER', False):
+    assert copies() == [393216, 393216, 524288]
+
+
+def test_set_at_after_keeps_the_values():
+  """`after` only orders: the values are the same for any dependencies,
+  NaN payloads and all-ones mask words included."""
+  x = jnp.arange(64, dtype=jnp.float32)
+  layout = masks.LeafLayout.create(64, 1)
+  offsets = jnp.array([[3, 10, 63]], jnp.int32)
+  values = jnp.array([-1.0, 0.0, 7.5], jnp.float32)
+  deps = (jnp.full((4,), 0xFFFFFFFF, jnp.uint32),
+          jnp.array([jnp.nan, 1.0], jnp.float32),
+          jnp.array([2**31 - 1], jnp.int32), jnp.ones((2, 2), jnp.bfloat16))
+  want = np.arange(64, dtype=np.float32)
+  want[[3, 10, 63]] = [-1.0, 0.0, 7.5]
+  got = jax.jit(lambda *d: masks.set_at(x, layout, offsets, values, d))(
+      *deps)
+  np.testing.assert_array_equal(got, want)
 
 
 def test_sum_squares_is_the_sum_of_squares_outside_ynnpack():

@@ -18,7 +18,7 @@ import dataclasses
 import fractions
 import math
 import numbers
-from typing import Tuple
+from typing import Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -340,11 +340,40 @@ def gather_at(x: jax.Array, layout: LeafLayout,
 
 
 def set_at(x: jax.Array, layout: LeafLayout, offsets: jax.Array,
-           values: jax.Array) -> jax.Array:
+           values: jax.Array, after: Sequence[jax.Array] = ()) -> jax.Array:
   """Leaf x with the N*k entries at chunk offsets int32[N, k] replaced by
-  `values` (those at padding dropped)."""
+  `values` (those at padding dropped).
+
+  `after`: the results of the other ops that read x. The scatter then
+  follows them, so XLA writes into x's buffer instead of copying x first
+  (it copies whenever another reader of x may still run after it).
+  """
+  if _SCATTER_AFTER:
+    values = _following(values, after)
   return x.reshape(-1).at[_flat_index(layout, offsets)].set(
       values, mode='drop').reshape(x.shape)
+
+
+# False: `set_at` ignores `after`, and XLA copies x before the scatter where
+# another op may still read x, as before (read when traced;
+# `bench/update_ab.py`).
+_SCATTER_AFTER = True
+
+
+def _following(x: jax.Array, deps: Sequence[jax.Array]) -> jax.Array:
+  """x, made to depend on every array of `deps`: their first elements enter
+  a condition that is never true (no 32-bit pattern has more than 32 bits
+  set) but that XLA cannot fold, so an op reading the result runs after
+  the ops producing `deps`. The values of x pass through unchanged."""
+  never = None
+  for d in deps:
+    first = d.reshape(-1)[0]
+    if first.dtype.itemsize != 4:
+      first = first.astype(jnp.float32)
+    bits = jax.lax.population_count(
+        jax.lax.bitcast_convert_type(first, jnp.uint32)) > 32
+    never = bits if never is None else never | bits
+  return x if never is None else jnp.where(never, jnp.ones_like(x), x)
 
 
 def scatter_at(values: jax.Array, layout: LeafLayout, offsets: jax.Array,

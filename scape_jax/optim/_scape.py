@@ -249,17 +249,27 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
 
   moment = _semi_updated_moment(grad_leaves, mu, flat(state.residual),
                                 plan, hyper.b1, state.count, k_now)
+  # The next mask first: where m~ is stored, its selection and the payload
+  # are the last reads of m~ before the residual overwrites M in m~'s own
+  # buffer (`after`).
+  scores = _scape_variants.mask_scores(hyper.variant, moment, mu, hyper.b1)
+  own_mask = _next_own_masks(scores, plan, k_levels, level,
+                             schedule.level(state.count + 1), hyper)
   global_masks = _exchange_masks(flat(state.mask), plan, k_now, hyper)
+  stored = [_stores_moment(plan, j, k_now[j]) for j in range(len(mu))]
+  after = [(o,) if keep else () for o, keep in zip(own_mask, stored)]
   if hyper.payload_dtype == 'float32':
-    exchanged, errors = _exchange_payload(moment, plan, global_masks,
-                                          hyper.axis_name), None
-  else:
+    sent = _payload(moment, plan, global_masks)
+    exchanged, errors = _mean(sent, hyper.axis_name), None
+    after = [a + (x,) if keep else a
+             for a, x, keep in zip(after, sent, stored)]
+  else:  # the errors come from the sent values
     exchanged, errors = _wire.exchange_narrow(
         moment, plan.layouts, [g and g.offsets for g in global_masks],
         hyper.axis_name, hyper.payload_dtype)
   bbar, gbar, residual, in_mask = _reconstruct(
       moment, mu, exchanged, plan, global_masks, hyper.b1, errors,
-      hyper.variant)
+      hyper.variant, after)
   if hyper.clip_norm is not None:
     gbar = _scape_clip.clip(gbar, hyper.clip_norm, _scape_clip.squared_norms(
         gbar, bbar, in_mask, mu, exchanged, plan, global_masks, hyper.b1))
@@ -267,9 +277,6 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
   direction, variant_state = _direction(mu, bbar, gbar, count, hyper,
                                         in_mask, state.variant_state,
                                         1.0 / hyper.levels[level])
-  scores = _scape_variants.mask_scores(hyper.variant, moment, mu, hyper.b1)
-  own_mask = _next_own_masks(scores, plan, k_levels, level,
-                             schedule.level(state.count + 1), hyper)
 
   vary = functools.partial(varying, axis_name=hyper.axis_name)
   residual_sq = sum((jnp.sum(r * r) for r in residual if r is not None),
@@ -306,10 +313,16 @@ def _semi_updated_moment(grads, mu, residual, plan, b1, count, k_now):
     mt = b1 * m + (1.0 - b1) * g
     if plan.layouts[j] is not None:
       mt = mt + e[0]
-      if plan.layouts[j].size >= _STORE_MIN and plan.is_sparse(j, k_now[j]):
+      if _stores_moment(plan, j, k_now[j]):
         mt = mt / one
     moment.append(mt)
   return moment
+
+
+def _stores_moment(plan, j: int, k) -> bool:
+  """Whether leaf j's m~ is stored once (`_semi_updated_moment`)."""
+  return (plan.layouts[j] is not None and plan.layouts[j].size >= _STORE_MIN
+          and plan.is_sparse(j, k))
 
 
 class _GlobalMask(NamedTuple):
@@ -348,25 +361,38 @@ def _exchange_payload(moment, plan, global_masks, axis_name):
 
   Returns the mean over workers split per leaf (compacted for sparse leaves).
   """
-  payload = [mt.reshape(-1) if g is None else
-             masks.gather_at(mt, layout, g.offsets)
-             for mt, layout, g in zip(moment, plan.layouts, global_masks)]
+  return _mean(_payload(moment, plan, global_masks), axis_name)
+
+
+def _payload(moment, plan, global_masks) -> list:
+  """This worker's payload per leaf: m~ at M, compacted, on sparse leaves;
+  m~ flat on dense ones."""
+  return [mt.reshape(-1) if g is None else
+          masks.gather_at(mt, layout, g.offsets)
+          for mt, layout, g in zip(moment, plan.layouts, global_masks)]
+
+
+def _mean(payload, axis_name) -> list:
+  """The mean over workers of each leaf's payload, in one all-reduce."""
   flat = jnp.concatenate(payload)
   mean = flat if axis_name is None else jax.lax.pmean(flat, axis_name)
   return _split(mean, [x.size for x in payload])
 
 
 def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1,
-                 errors=None, variant='faithful'):
+                 errors=None, variant='faithful', after=None):
   """bbar at full shape, the mean gradient at M (Eq. 3), the new residual
   and M (bool at full shape; None where the leaf is dense this step).
 
   Outside M gbar is zero, bbar and the residual are zero and m~ (or
   `_scape_variants.outside_mask`); dense leaves have no residual (None) or,
   compressed but dense at this level, zeros. Inside M the residual is zero,
-  or the payload's rounding error `errors` of a half-width wire.
+  or the payload's rounding error `errors` of a half-width wire. `after`:
+  per leaf, the results of the other reads of m~ (`masks.set_at`), so that
+  the residual is written into m~'s buffer, not a copy of it.
   """
   errors = errors or [None] * len(moment)
+  after = after or [()] * len(moment)
   bbar, gbar, residual, in_masks = [], [], [], []
   for j, (mt, m, values) in enumerate(zip(moment, mu, bbar_parts)):
     shape, layout, mask = plan.shapes[j], plan.layouts[j], global_masks[j]
@@ -378,8 +404,8 @@ def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1,
       m_out, e_out = _scape_variants.outside_mask(variant, mt, m, b1)
       if m_out is None:  # e with M overwritten: no masked full pass
         kept = jnp.zeros_like(values) if err is None else err
-        residual.append(masks.set_at(e_out, layout, mask.offsets,
-                                     kept)[None])
+        residual.append(masks.set_at(e_out, layout, mask.offsets, kept,
+                                     after[j])[None])
       else:
         kept = 0.0 if err is None else masks.scatter_at(
             err, layout, mask.offsets, shape)
