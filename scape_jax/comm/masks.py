@@ -193,7 +193,7 @@ def words_to_offsets(words: jax.Array, k: int) -> jax.Array:
   count = jax.lax.population_count(words).astype(jnp.int32)
   before = jnp.cumsum(count, axis=1) - count  # set bits in earlier words
   rows = jnp.arange(n)[:, None]
-  starts = _own_zeros((n, k + 1), jnp.int32, before).at[
+  starts = own_zeros((n, k + 1), jnp.int32, before).at[
       rows, jnp.minimum(before, k)].add(1)
   word = jnp.cumsum(starts[:, :k], axis=1) - 1  # word of the j-th set bit
   rank = jnp.arange(k, dtype=jnp.int32) - jnp.take_along_axis(before, word, 1)
@@ -379,11 +379,11 @@ def _following(x: jax.Array, deps: Sequence[jax.Array]) -> jax.Array:
 def scatter_at(values: jax.Array, layout: LeafLayout, offsets: jax.Array,
                shape) -> jax.Array:
   """`gather_at`'s inverse: N*k values -> a full-shape leaf, 0 elsewhere."""
-  return set_at(_own_zeros(shape, values.dtype, offsets), layout, offsets,
+  return set_at(own_zeros(shape, values.dtype, offsets), layout, offsets,
                 values)
 
 
-def _own_zeros(shape, dtype, never_negative: jax.Array) -> jax.Array:
+def own_zeros(shape, dtype, never_negative: jax.Array) -> jax.Array:
   """Zeros to scatter into, filled with a 0 read off `never_negative` (an
   int array with no negative entry), so XLA cannot fold it: a constant 0
   array is shared by every scatter of one shape and copied before each."""

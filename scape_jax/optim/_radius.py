@@ -366,9 +366,12 @@ def _exchange_sparse(local, residual, masks, plan: RadiusPlan, axis_name):
       new_residual.append(residual[j])
       continue
     size = plan.size(j)
-    mean.append(jnp.zeros((size,), jnp.float32).at[offsets].set(
-        values, mode='drop').reshape(shape))
-    sent = jnp.zeros((size,), bool).at[offsets].set(True, mode='drop')
+    # Zeros of their own per leaf: a constant zero array would be shared by
+    # the leaves of one size and copied before each scatter into it.
+    mean.append(mask_bits.own_zeros((size,), jnp.float32, offsets).at[
+        offsets].set(values, mode='drop').reshape(shape))
+    sent = mask_bits.own_zeros((size,), bool, offsets).at[offsets].set(
+        True, mode='drop')
     unsent = jnp.where(sent.reshape(shape), 0.0, local[j])
     new_residual.append(residual[j] + unsent)
   return mean, new_residual
