@@ -253,9 +253,14 @@ def _own_chunks(local, sync, mean, offsets, plan, worker, b1, mu_own,
     else:
       mask = offsets[j]  # the gathered `_GlobalMask`
       own_offsets = _own(mask.offsets, worker)
-      in_own = jnp.zeros((c,), bool).at[own_offsets].set(True)
+      # Zeros of their own per leaf (`masks.own_zeros`): a constant zero
+      # array would be shared by the leaves of one chunk size and copied
+      # before each scatter into it.
+      in_own = masks.own_zeros((c,), bool, own_offsets).at[
+          own_offsets].set(True)
       values = _own(mean[j].reshape(mask.offsets.shape), worker)
-      received = jnp.zeros((c,), jnp.float32).at[own_offsets].set(values)
+      received = masks.own_zeros((c,), jnp.float32, own_offsets).at[
+          own_offsets].set(values)
       in_mask = layout.from_chunks(masks.unpack_bits(mask.words, c), shape)
       residual = jnp.where(in_mask, 0.0, local[j])
     bbar = jnp.where(in_own, sync[j] + received, 0.0)
