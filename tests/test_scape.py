@@ -613,7 +613,8 @@ def test_set_at_after_keeps_the_values():
   values = jnp.array([-1.0, 0.0, 7.5], jnp.float32)
   deps = (jnp.full((4,), 0xFFFFFFFF, jnp.uint32),
           jnp.array([jnp.nan, 1.0], jnp.float32),
-          jnp.array([2**31 - 1], jnp.int32), jnp.ones((2, 2), jnp.bfloat16))
+          jnp.array([2**31 - 1], jnp.int32), jnp.ones((2, 2), jnp.bfloat16),
+          jnp.zeros((0,), jnp.float32))
   want = np.arange(64, dtype=np.float32)
   want[[3, 10, 63]] = [-1.0, 0.0, 7.5]
   got = jax.jit(lambda *d: masks.set_at(x, layout, offsets, values, d))(

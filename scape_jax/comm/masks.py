@@ -367,6 +367,8 @@ def _following(x: jax.Array, deps: Sequence[jax.Array]) -> jax.Array:
   the ops producing `deps`. The values of x pass through unchanged."""
   never = None
   for d in deps:
+    if d.size == 0:  # nothing to wait for
+      continue
     first = d.reshape(-1)[0]
     if first.dtype.itemsize != 4:
       first = first.astype(jnp.float32)
