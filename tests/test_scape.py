@@ -585,9 +585,13 @@ def test_rejects_bad_select():
 def test_residual_is_written_into_m_tilde_without_a_copy(n):
   """The residual's scatter follows the select and the payload gather
   (`masks.set_at`'s `after`), so XLA writes it into m~'s buffer: no
-  full-size copy of m~ in the compiled update. Without the ordering XLA
-  copies each large leaf's m~ (checked, so the test can fail)."""
-  shapes = {'w': (1024, 512), 'v': (512, 768), 'u': (768, 512), 'b': (256,)}
+  full-size copy of m~ in the compiled update (both levels, d = 1 and
+  0.1). Without the ordering XLA copies each large leaf's m~; with one
+  constant zero array per shape (for the residuals of d = 1 and bbar's
+  scatter), it copies that for each leaf of the shape (both checked, so
+  the test can fail)."""
+  shapes = {'w': (1024, 512), 'v': (512, 768), 'v2': (512, 768),
+            'u': (768, 512), 'b': (256,)}
   params = _params(shapes=shapes)
   grads = jax.device_put(_worker_grads(params, n, 1)[0],
                          NamedSharding(_mesh(n), P('data')))
@@ -596,12 +600,17 @@ def test_residual_is_written_into_m_tilde_without_a_copy(n):
     runner = Runner(scape_jax.scape(1e-3, density=0.1), params, n)
     text = runner._step(None).lower(runner.params, runner.state,  # pylint: disable=protected-access
                                     grads).compile().as_text()
-    return sorted(int(x) for x in re.findall(
-        r'= f32\[(\d+)\]\{0\} copy\(', text) if int(x) >= 1 << 16)
+    sizes = [np.prod([int(d) for d in shape.split(',')]) for shape in
+             re.findall(r'= f32\[([\d,]+)\]\{[\d,]+\} copy\(', text)]
+    return sorted(int(x) for x in sizes if x >= 1 << 16)
 
   assert copies() == []
   with mock.patch.object(masks, '_SCATTER_AFTER', False):
-    assert copies() == [393216, 393216, 524288]
+    assert copies() == [393216] * 3 + [524288]
+  with mock.patch.object(masks, 'own_zeros',
+                         lambda shape, dtype, *_: jnp.zeros(shape, dtype)):
+    # v's and v2's residual at d = 1 and their bbar's zeros at d = 0.1.
+    assert copies() == [393216] * 4
 
 
 def test_set_at_after_keeps_the_values():

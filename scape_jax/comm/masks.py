@@ -385,9 +385,9 @@ def scatter_at(values: jax.Array, layout: LeafLayout, offsets: jax.Array,
                 values)
 
 
-def own_zeros(shape, dtype, never_negative: jax.Array) -> jax.Array:
-  """Zeros to scatter into, filled with a 0 read off `never_negative` (an
-  int array with no negative entry), so XLA cannot fold it: a constant 0
-  array is shared by every scatter of one shape and copied before each."""
-  zero = jnp.where(never_negative.reshape(-1)[0] < 0, 1, 0)
-  return jnp.full(shape, zero, dtype)
+def own_zeros(shape, dtype, *deps: jax.Array) -> jax.Array:
+  """Zeros filled with a 0 computed from `deps` (`_following`), which XLA
+  cannot fold: a constant 0 array is shared by every array of one shape
+  made from it, and copied before each scatter into it and into each
+  output that is one."""
+  return _following(jnp.zeros(shape, dtype), deps)
