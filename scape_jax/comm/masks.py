@@ -229,8 +229,8 @@ def offsets_to_words(offsets: jax.Array, c: int) -> jax.Array:
   rows = jnp.arange(n)[:, None]
   bit = jnp.uint32(1) << (offsets % 32).astype(jnp.uint32)
   # Distinct offsets set distinct bits, so adding them is OR-ing them.
-  return jnp.zeros((n, -(-c // 32)), jnp.uint32).at[rows, offsets // 32].add(
-      bit)
+  return own_zeros((n, -(-c // 32)), jnp.uint32, offsets).at[
+      rows, offsets // 32].add(bit)
 
 
 def chunk_topk_bits(scores: jax.Array, valid: jax.Array, width: int,
