@@ -605,6 +605,8 @@ def test_residual_is_written_into_m_tilde_without_a_copy(n):
     return sorted(int(x) for x in sizes if x >= 1 << 16)
 
   assert copies() == []
+  if n > 1:  # the checks that the test can fail: once is enough
+    return
   with mock.patch.object(masks, '_SCATTER_AFTER', False):
     assert copies() == [393216] * 3 + [524288]
   with mock.patch.object(masks, 'own_zeros',

@@ -417,7 +417,7 @@ def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1,
       b = values.reshape(shape)
       gbar.append((b - b1 * m) / (1.0 - b1))
       residual.append(None if layout is None else
-                      masks.own_zeros((1,) + shape, jnp.float32, values)
+                      masks.own_zeros((1,) + shape, jnp.float32, mt)
                       if err is None else err.reshape((1,) + shape))
     bbar.append(b)
     in_masks.append(in_mask)
