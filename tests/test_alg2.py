@@ -15,11 +15,8 @@
 """
 
 import functools
-import re
-from unittest import mock
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -30,7 +27,6 @@ import scape_jax
 from scape_jax import analysis
 from scape_jax.comm import masks
 from scape_jax.optim import _scape_dist
-from tests.mesh_runner import MeshRunner, random_params
 
 N, STEPS, DENSITY = 8, 20, 0.1
 HOST = 'pinned_host'
@@ -234,25 +230,3 @@ def test_bf16_compute_with_fp32_replica_tracks_the_fp32_run():
     err = float(np.linalg.norm(replica[k] - final[k]) /
                 np.linalg.norm(final[k] - p))
     assert err <= BF16_TOL['dense' if p.ndim < 2 else 'compressed'], (k, err)
-
-
-def test_own_chunk_scatters_copy_no_full_size_array():
-  """Two leaves of one chunk size: the scatters into each worker's own chunk
-  get zeros of their own (`masks.own_zeros`), where a shared constant zero
-  array would be copied before each scatter (checked, so the test can
-  fail)."""
-  params = random_params({'v': (512, 768), 'u': (768, 512), 'b': (256,)})
-
-  def copies():
-    run = MeshRunner(scape_jax.scape_dist(1e-3, density=0.1), params, 2,
-                     static_name='density_level')
-    text = run.compiled(1).lower(
-        run.params, run.state, run.abstract_grads(params)).compile().as_text()
-    shapes = re.findall(r'= (?:f32|pred)\[([\d,]+)\]\{[\d,]+\} copy\(', text)
-    return sorted(s for s in shapes  # full size: a chunk, not k entries
-                  if np.prod([int(d) for d in s.split(',')]) >= 1 << 16)
-
-  assert copies() == []
-  with mock.patch.object(masks, 'own_zeros',
-                         lambda shape, dtype, _: jnp.zeros(shape, dtype)):
-    assert copies().count('196608') == 4  # 2 chunks x (bool, f32)

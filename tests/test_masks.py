@@ -1,8 +1,5 @@
 """The jnp mask primitives (future Pallas references) against NumPy."""
 
-import re
-from unittest import mock
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,26 +135,3 @@ def test_a_numpy_density_is_its_decimal_too(density, chunk, k):
   for x in (np.float32(density), np.float64(density), density):
     assert masks.chunk_k(x, chunk) == k, x
     assert radius_lib.top_k_count(x, chunk) == k, x
-
-
-def test_offsets_to_words_of_two_leaves_copies_no_zeros():
-  """Two bitmaps of one shape each start from zeros of their own
-  (`masks.own_zeros`): XLA copies a shared constant zero array before
-  each scatter into it (checked, so the test can fail)."""
-  c, k = 1 << 16, 100
-  offsets = [jnp.sort(jax.random.choice(jax.random.key(i), c, (1, k),
-                                        replace=False), axis=1)
-             for i in range(2)]
-
-  def copies():
-    text = jax.jit(lambda a, b: (masks.offsets_to_words(a, c),
-                                 masks.offsets_to_words(b, c))).lower(
-                                     *offsets).compile().as_text()
-    return re.findall(r'= u32\[1,2048\]\{1,0\} copy\(', text)
-
-  words = masks.offsets_to_words(offsets[0], c)
-  np.testing.assert_array_equal(masks.words_to_offsets(words, k), offsets[0])
-  assert copies() == []
-  with mock.patch.object(masks, 'own_zeros',
-                         lambda shape, dtype, *_: jnp.zeros(shape, dtype)):
-    assert len(copies()) == 2

@@ -2,9 +2,7 @@
 
 import json
 import os
-import re
 import shutil
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +13,6 @@ import pytest
 import scape_jax
 from scape_jax import analysis
 from scape_jax import train as trainer
-from scape_jax.comm import masks
 from scape_jax.train.checkpoint import Checkpointer
 from tests.mesh_runner import MeshRunner, random_params, worker_grads
 from tests.reference_methods import RadiusReference
@@ -292,22 +289,3 @@ def test_trainer_resumes_bit_exactly_and_logs_bytes_per_kind(corpus,
   assert [r['residual_norm'] > 0 for r in rows] == [False] * 3 + [True] * 2
   sent = [r['comm_bytes'] for r in rows]
   assert sent[0] == sent[1] == sent[2] > 3 * sent[3] and sent[3] == sent[4]
-
-
-def test_sparse_step_copies_no_full_size_array():
-  """Two leaves of one size: each scatter of the sparse step gets zeros of
-  its own (`masks.own_zeros`), where a shared constant zero array would be
-  copied before each scatter into it (checked, so the test can fail)."""
-  params = random_params({'v': (512, 768), 'u': (768, 512), 'b': (256,)})
-
-  def copies():
-    run = MeshRunner(scape_jax.radius(1e-3, density=0.1), params, 2,
-                     static_name='step_kind')
-    text = run.compiled('sparse').lower(
-        run.params, run.state, run.abstract_grads(params)).compile().as_text()
-    return sorted(re.findall(r'= (?:f32|pred)\[(\d+)\]\{0\} copy\(', text))
-
-  assert copies() == []
-  with mock.patch.object(masks, 'own_zeros',
-                         lambda shape, dtype, _: jnp.zeros(shape, dtype)):
-    assert copies() == ['393216'] * 4

@@ -1,8 +1,6 @@
 """SCAPE (Algorithm 1) against AdamS and an independent NumPy simulation."""
 
 import functools
-import re
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -579,58 +577,6 @@ def test_rejects_bad_mask_encoding():
 def test_rejects_bad_select():
   with pytest.raises(ValueError, match=r"select='heap'.*'threshold'"):
     scape_jax.scape(1e-2, density=0.1, select='heap')
-
-
-@pytest.mark.parametrize('n', [1, 2])
-def test_residual_is_written_into_m_tilde_without_a_copy(n):
-  """The residual's scatter follows the select and the payload gather
-  (`masks.set_at`'s `after`), so XLA writes it into m~'s buffer: no
-  full-size copy of m~ in the compiled update (both levels, d = 1 and
-  0.1). Without the ordering XLA copies each large leaf's m~; with one
-  constant zero array per shape (for the residuals of d = 1 and bbar's
-  scatter), it copies that for each leaf of the shape (both checked, so
-  the test can fail)."""
-  shapes = {'w': (1024, 512), 'v': (512, 768), 'v2': (512, 768),
-            'u': (768, 512), 'b': (256,)}
-  params = _params(shapes=shapes)
-  grads = jax.device_put(_worker_grads(params, n, 1)[0],
-                         NamedSharding(_mesh(n), P('data')))
-
-  def copies():
-    runner = Runner(scape_jax.scape(1e-3, density=0.1), params, n)
-    text = runner._step(None).lower(runner.params, runner.state,  # pylint: disable=protected-access
-                                    grads).compile().as_text()
-    sizes = [np.prod([int(d) for d in shape.split(',')]) for shape in
-             re.findall(r'= f32\[([\d,]+)\]\{[\d,]+\} copy\(', text)]
-    return sorted(int(x) for x in sizes if x >= 1 << 16)
-
-  assert copies() == []
-  if n > 1:  # the checks that the test can fail: once is enough
-    return
-  with mock.patch.object(masks, '_SCATTER_AFTER', False):
-    assert copies() == [393216] * 3 + [524288]
-  with mock.patch.object(masks, 'own_zeros',
-                         lambda shape, dtype, *_: jnp.zeros(shape, dtype)):
-    # v's and v2's residual at d = 1 and their bbar's zeros at d = 0.1.
-    assert copies() == [393216] * 4
-
-
-def test_set_at_after_keeps_the_values():
-  """`after` only orders: the values are the same for any dependencies,
-  NaN payloads and all-ones mask words included."""
-  x = jnp.arange(64, dtype=jnp.float32)
-  layout = masks.LeafLayout.create(64, 1)
-  offsets = jnp.array([[3, 10, 63]], jnp.int32)
-  values = jnp.array([-1.0, 0.0, 7.5], jnp.float32)
-  deps = (jnp.full((4,), 0xFFFFFFFF, jnp.uint32),
-          jnp.array([jnp.nan, 1.0], jnp.float32),
-          jnp.array([2**31 - 1], jnp.int32), jnp.ones((2, 2), jnp.bfloat16),
-          jnp.zeros((0,), jnp.float32))
-  want = np.arange(64, dtype=np.float32)
-  want[[3, 10, 63]] = [-1.0, 0.0, 7.5]
-  got = jax.jit(lambda *d: masks.set_at(x, layout, offsets, values, d))(
-      *deps)
-  np.testing.assert_array_equal(got, want)
 
 
 def test_sum_squares_is_the_sum_of_squares_outside_ynnpack():
