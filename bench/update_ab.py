@@ -1,7 +1,7 @@
 """SCAPE's update with some of its XLA:CPU fixes undone, all on one state.
 
 Times SCAPE's whole update at N=1 (`optimizer_overhead`'s method, steady
-state) as it is and with one or more of three changes undone, beside
+state) as it is and with one or more of four changes undone, beside
 optax.adamw, all interleaved in one process:
 
   * 'decode twice': `masks.words_to_offsets` does not store its offsets
@@ -13,7 +13,10 @@ optax.adamw, all interleaved in one process:
   * 'residual copied': `masks.set_at` ignores its `after`
     (`masks._SCATTER_AFTER`): the residual's scatter is not ordered after
     the select and the payload gather, and XLA copies each stored m~
-    before writing the residual into it.
+    before writing the residual into it;
+  * 'norms by YNNPACK': the residual's norm and the clip's norm at M are
+    `jnp.sum(x * x)` (`_scape_clip._OWN_REDUCTION`), which XLA:CPU hands
+    to YNNPACK, not its own reduction fused with x's producer.
 
 The switches are read when the update is traced, so each variant gets its
 own programs, `--programs` of them. Every SCAPE program runs on the same
@@ -45,11 +48,13 @@ from scape_jax.comm import masks  # noqa: E402
 from scape_jax.optim import _scape_clip  # noqa: E402
 
 # variant -> (masks._STORE_OFFSETS, _scape_clip._NORM_FUSED,
-#             masks._SCATTER_AFTER)
-VARIANTS = {'as is': (True, True, True), 'decode twice': (False, True, True),
-            'norm over gbar': (True, False, True),
-            'both undone': (False, False, True),
-            'residual copied': (True, True, False)}
+#             masks._SCATTER_AFTER, _scape_clip._OWN_REDUCTION)
+VARIANTS = {'as is': (True, True, True, True),
+            'decode twice': (False, True, True, True),
+            'norm over gbar': (True, False, True, True),
+            'both undone': (False, False, True, True),
+            'residual copied': (True, True, False, True),
+            'norms by YNNPACK': (True, True, True, False)}
 
 
 @contextlib.contextmanager
@@ -57,14 +62,14 @@ def switched(variant: str):
   """The switches set for `variant` while tracing, then restored."""
   # pylint: disable=protected-access
   default = (masks._STORE_OFFSETS, _scape_clip._NORM_FUSED,
-             masks._SCATTER_AFTER)
-  (masks._STORE_OFFSETS, _scape_clip._NORM_FUSED,
-   masks._SCATTER_AFTER) = VARIANTS[variant]
+             masks._SCATTER_AFTER, _scape_clip._OWN_REDUCTION)
+  (masks._STORE_OFFSETS, _scape_clip._NORM_FUSED, masks._SCATTER_AFTER,
+   _scape_clip._OWN_REDUCTION) = VARIANTS[variant]
   try:
     yield
   finally:
-    (masks._STORE_OFFSETS, _scape_clip._NORM_FUSED,
-     masks._SCATTER_AFTER) = default
+    (masks._STORE_OFFSETS, _scape_clip._NORM_FUSED, masks._SCATTER_AFTER,
+     _scape_clip._OWN_REDUCTION) = default
 
 
 def prepared(densities, variants, params, grads, programs: int) -> dict:

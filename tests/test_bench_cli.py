@@ -296,15 +296,16 @@ def test_update_ab_shares_one_state_and_restores_the_switches():
   masks = importlib.import_module('scape_jax.comm.masks')
   scape = importlib.import_module('scape_jax.optim._scape_clip')
   # pylint: disable=protected-access
-  default = masks._STORE_OFFSETS, scape._NORM_FUSED, masks._SCATTER_AFTER
+  default = (masks._STORE_OFFSETS, scape._NORM_FUSED, masks._SCATTER_AFTER,
+             scape._OWN_REDUCTION)
   # Gradients large enough that the clip acts, so its norm matters.
   params, grads = ({'w': scale * jax.random.normal(jax.random.key(i),
                                                    (64, 48))}
                    for i, scale in enumerate((0.02, 1.0)))
   prep = bench.prepared([0.1], list(bench.VARIANTS), params, grads,
                         programs=2)
-  assert (masks._STORE_OFFSETS, scape._NORM_FUSED,
-          masks._SCATTER_AFTER) == default
+  assert (masks._STORE_OFFSETS, scape._NORM_FUSED, masks._SCATTER_AFTER,
+          scape._OWN_REDUCTION) == default
   assert len(prep) == 1 + 2 * len(bench.VARIANTS)
   scape_keys = [k for k in prep if k[1] is not None]
   assert len({id(prep[k].state) for k in scape_keys}) == 1

@@ -279,8 +279,8 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
                                         1.0 / hyper.levels[level])
 
   vary = functools.partial(varying, axis_name=hyper.axis_name)
-  residual_sq = sum((jnp.sum(r * r) for r in residual if r is not None),
-                    jnp.zeros([], jnp.float32))
+  residual_sq = sum((_scape_clip.squared_norm(r) for r in residual
+                     if r is not None), jnp.zeros([], jnp.float32))
   new_state = ScaleByScapeState(
       count=count,
       mu=plan.treedef.unflatten(bbar),
