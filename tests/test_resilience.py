@@ -375,8 +375,9 @@ def _count_in_flight(monkeypatch) -> list:
 def test_tokens_per_second_leave_out_evals_and_saves(corpus, tmp_path,
                                                      monkeypatch):
   """An eval or a save between two log lines is not train throughput: a
-  0.5 s eval and save after every step left every later line near
-  tokens / 1 s."""
+  1.5 s eval and save after every step would leave every later line below
+  tokens / 3 s. (With 0.5 s each and a 1 s bound, a step slowed past 1 s
+  by a loaded machine failed it once.)"""
   import time  # pylint: disable=g-import-not-at-top
   make_eval_step = trainer_lib.step_lib.make_eval_step
 
@@ -384,14 +385,14 @@ def test_tokens_per_second_leave_out_evals_and_saves(corpus, tmp_path,
     evaluate = make_eval_step(*args, **kwargs)
 
     def slow(*a):
-      time.sleep(0.5)
+      time.sleep(1.5)
       return evaluate(*a)
     return slow
   monkeypatch.setattr(trainer_lib.step_lib, 'make_eval_step', slow_eval_step)
   original_save = trainer_lib._Saver.__call__
 
   def slow_save(self, *args):
-    time.sleep(0.5)
+    time.sleep(1.5)
     return original_save(self, *args)
   monkeypatch.setattr(trainer_lib._Saver, '__call__', slow_save)
   trainer.train(_cfg(corpus, tmp_path, '--config.steps=4',
@@ -401,7 +402,7 @@ def test_tokens_per_second_leave_out_evals_and_saves(corpus, tmp_path,
   rates = [r['tokens_per_s'] for r in read_jsonl(
       str(tmp_path / 'metrics.jsonl')) if r['split'] == 'train']
   tokens = 8 * 16  # data.batch_size x data.seq_len
-  assert len(rates) == 4 and min(rates[1:]) > tokens / 1.0, rates  # (1 s)
+  assert len(rates) == 4 and min(rates[1:]) > tokens / 2.5, rates  # (2.5 s)
 
 
 def test_nothing_read_for_many_steps_matches_log_every_1(corpus, tmp_path,
