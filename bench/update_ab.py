@@ -33,6 +33,7 @@ and reports each variant's temporaries.
 import contextlib
 import functools
 import os
+import shlex
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,7 +115,8 @@ def main(argv=None):
                           oo.interleaved_times(prep, grads, params,
                                                args.repeats, 1).items()})
   adamw = ms['optax.adamw', None][0]
-  lines = [f'<!-- python bench/update_ab.py {" ".join(argv or sys.argv[1:])} -->',
+  command = shlex.join(argv or sys.argv[1:])  # variants have spaces
+  lines = [f'<!-- python bench/update_ab.py {command} -->',
            f'jax {jax.__version__} on {jax.devices()[0].device_kind}; '
            f'{args.tree}, N=1; the median of {args.programs} programs\' '
            f'medians of {args.repeats} interleaved calls, all on one '
