@@ -74,9 +74,12 @@ def sum_squares(x: jax.Array) -> jax.Array:
   it from YNNPACK. It sums rows first (x's last axis, or `_ROW` entries of
   a 1-D x), then the row sums: a single running sum over a 12M-entry leaf
   was off by 7e-4 relative, and a reduction to one scalar runs on one
-  thread, where one to a vector of rows is split between threads."""
-  if x.ndim >= 2:
-    return _row_sums(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]))
+  thread, where one to a vector of rows is split between threads. (The
+  int32 count of rows wraps at 2**31 rows, 2**41 entries of a 1-D x.)"""
+  rows = math.prod(x.shape[:-1])
+  if x.ndim >= 2 and rows < 1 << 31:
+    return _row_sums(x.reshape(rows, x.shape[-1]))
+  x = x.reshape(-1)
   bulk = x.size - x.size % _ROW  # whole rows, then the few entries left
   total = _row_sums(x[:bulk].reshape(-1, _ROW))
   if bulk < x.size:
