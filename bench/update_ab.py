@@ -18,6 +18,11 @@ optax.adamw, all interleaved in one process:
     `jnp.sum(x * x)` (`_scape_clip._OWN_REDUCTION`), which XLA:CPU hands
     to YNNPACK, not its own reduction fused with x's producer.
 
+And one change not made (`masks.BATCH_DECODE`):
+
+  * 'decode batched': the mask bitmaps of every leaf decoded in one call,
+    not one call per leaf, on every platform.
+
 The switches are read when the update is traced, so each variant gets its
 own programs, `--programs` of them. Every SCAPE program runs on the same
 state arrays, the first program's: in ad-hoc runs, programs of the same
@@ -49,13 +54,17 @@ from scape_jax.comm import masks  # noqa: E402
 from scape_jax.optim import _scape_clip  # noqa: E402
 
 # variant -> (masks._STORE_OFFSETS, _scape_clip._NORM_FUSED,
-#             masks._SCATTER_AFTER, _scape_clip._OWN_REDUCTION)
-VARIANTS = {'as is': (True, True, True, True),
-            'decode twice': (False, True, True, True),
-            'norm over gbar': (True, False, True, True),
-            'both undone': (False, False, True, True),
-            'residual copied': (True, True, False, True),
-            'norms by YNNPACK': (True, True, True, False)}
+#             masks._SCATTER_AFTER, _scape_clip._OWN_REDUCTION,
+#             masks.BATCH_DECODE)
+_BATCHED = masks.BATCH_DECODE
+VARIANTS = {'as is': (True, True, True, True, _BATCHED),
+            'decode twice': (False, True, True, True, _BATCHED),
+            'norm over gbar': (True, False, True, True, _BATCHED),
+            'both undone': (False, False, True, True, _BATCHED),
+            'residual copied': (True, True, False, True, _BATCHED),
+            'norms by YNNPACK': (True, True, True, False, _BATCHED),
+            'decode batched': (True, True, True, True,
+                               ('cpu', 'cuda', 'rocm', 'tpu'))}
 
 
 @contextlib.contextmanager
@@ -63,14 +72,15 @@ def switched(variant: str):
   """The switches set for `variant` while tracing, then restored."""
   # pylint: disable=protected-access
   default = (masks._STORE_OFFSETS, _scape_clip._NORM_FUSED,
-             masks._SCATTER_AFTER, _scape_clip._OWN_REDUCTION)
+             masks._SCATTER_AFTER, _scape_clip._OWN_REDUCTION,
+             masks.BATCH_DECODE)
   (masks._STORE_OFFSETS, _scape_clip._NORM_FUSED, masks._SCATTER_AFTER,
-   _scape_clip._OWN_REDUCTION) = VARIANTS[variant]
+   _scape_clip._OWN_REDUCTION, masks.BATCH_DECODE) = VARIANTS[variant]
   try:
     yield
   finally:
     (masks._STORE_OFFSETS, _scape_clip._NORM_FUSED, masks._SCATTER_AFTER,
-     _scape_clip._OWN_REDUCTION) = default
+     _scape_clip._OWN_REDUCTION, masks.BATCH_DECODE) = default
 
 
 def prepared(densities, variants, params, grads, programs: int) -> dict:

@@ -297,15 +297,18 @@ def test_update_ab_shares_one_state_and_restores_the_switches():
   scape = importlib.import_module('scape_jax.optim._scape_clip')
   # pylint: disable=protected-access
   default = (masks._STORE_OFFSETS, scape._NORM_FUSED, masks._SCATTER_AFTER,
-             scape._OWN_REDUCTION)
-  # Gradients large enough that the clip acts, so its norm matters.
-  params, grads = ({'w': scale * jax.random.normal(jax.random.key(i),
-                                                   (64, 48))}
-                   for i, scale in enumerate((0.02, 1.0)))
+             scape._OWN_REDUCTION, masks.BATCH_DECODE)
+  # Gradients large enough that the clip acts, so its norm matters; two
+  # compressed leaves, so that 'decode batched' decodes them in one call.
+  params, grads = ({name: scale * jax.random.normal(jax.random.key(i + j),
+                                                    shape)
+                    for j, (name, shape) in enumerate([('w', (64, 48)),
+                                                       ('v', (32, 40))])}
+                   for i, scale in zip((0, 10), (0.02, 1.0)))
   prep = bench.prepared([0.1], list(bench.VARIANTS), params, grads,
                         programs=2)
   assert (masks._STORE_OFFSETS, scape._NORM_FUSED, masks._SCATTER_AFTER,
-          scape._OWN_REDUCTION) == default
+          scape._OWN_REDUCTION, masks.BATCH_DECODE) == default
   assert len(prep) == 1 + 2 * len(bench.VARIANTS)
   scape_keys = [k for k in prep if k[1] is not None]
   assert len({id(prep[k].state) for k in scape_keys}) == 1

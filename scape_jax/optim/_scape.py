@@ -337,6 +337,7 @@ def _exchange_masks(own_masks, plan, k_now, hyper, shift=None) -> list:
   One uint32 buffer carries every sparse leaf's contribution (bitmap or
   offsets, `LeafLayout.encoding`). Dense leaves get None. With `shift`
   (`_next_own_masks`'), worker n's contribution is chunk (n + shift) % N's.
+  The bitmaps are decoded by `masks.words_to_offsets_many`.
   """
   sparse = [j for j in range(len(own_masks)) if plan.is_sparse(j, k_now[j])]
   enc = {j: plan.layouts[j].encoding(k_now[j], hyper.encoding,
@@ -351,8 +352,18 @@ def _exchange_masks(own_masks, plan, k_now, hyper, shift=None) -> list:
               all_gather_invariant(buf, hyper.axis_name))
   if shift is not None:  # row c: chunk c's mask
     gathered = jnp.roll(gathered, shift, axis=0)
-  for j, part in zip(sparse, _split(gathered, [x.shape[0] for x in wire])):
-    global_masks[j] = _mask_from_wire(part, plan.layouts[j], k_now[j], enc[j])
+  parts = dict(zip(sparse, _split(gathered, [x.shape[0] for x in wire])))
+  bitmaps = [j for j in sparse if enc[j] == 'bitmap']
+  decoded = masks.words_to_offsets_many([parts[j] for j in bitmaps],
+                                        [k_now[j] for j in bitmaps])
+  for j, offsets in zip(bitmaps, decoded):
+    global_masks[j] = _GlobalMask(offsets, parts[j])
+  for j in sparse:
+    if enc[j] != 'bitmap':
+      offsets = masks.offsets_from_wire(parts[j], plan.layouts[j], k_now[j],
+                                        enc[j])
+      global_masks[j] = _GlobalMask(offsets, masks.offsets_to_words(
+          offsets, plan.layouts[j].chunk_size))
   return global_masks
 
 
@@ -471,16 +482,6 @@ def _split(flat: jax.Array, sizes: Sequence[int]) -> list:
   """Consecutive slices of `flat` along its last axis."""
   bounds = np.cumsum([0] + list(sizes))
   return [flat[..., a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def _mask_from_wire(part: jax.Array, layout: masks.LeafLayout, k: int,
-                    encoding: str) -> _GlobalMask:
-  """Gathered masks [N, words] in a resolved encoding -> offsets and bitmaps."""
-  if encoding == 'bitmap':
-    return _GlobalMask(masks.words_to_offsets(part, k), part)
-  offsets = masks.offsets_from_wire(part, layout, k, encoding)
-  return _GlobalMask(offsets,
-                     masks.offsets_to_words(offsets, layout.chunk_size))
 
 
 def scape(
