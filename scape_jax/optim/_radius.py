@@ -39,6 +39,7 @@ from scape_jax.comm import masks as mask_bits
 from scape_jax.comm import topk
 from scape_jax.comm.collectives import varying
 from scape_jax.optim import _common
+from scape_jax.optim import _scape_clip
 from scape_jax.optim._common import MaskOrFn, ScalarOrSchedule
 
 DENSITY = 0.5  # Fraction of each compressed leaf sent (paper, GPT-355M: 0.5).
@@ -316,7 +317,7 @@ def _update(grads, state: ScaleByRadiusState, params, kind: str, *,
 
   vary = functools.partial(varying, axis_name=hyper.axis_name)
   sparse = [e for e in residual if e is not None]
-  residual_sq = sum((jnp.sum(e * e) for e in sparse),
+  residual_sq = sum((_scape_clip.squared_norm(e) for e in sparse),
                     jnp.zeros([], jnp.float32))
   new_state = ScaleByRadiusState(
       count=optax.safe_increment(state.count),

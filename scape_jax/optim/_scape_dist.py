@@ -37,6 +37,7 @@ from scape_jax.comm.axes import DATA
 from scape_jax.comm.collectives import all_gather_invariant, varying
 from scape_jax.optim import _common
 from scape_jax.optim import _scape
+from scape_jax.optim import _scape_clip
 from scape_jax.optim._common import MaskOrFn, ScalarOrSchedule
 from scape_jax.optim._scape import CompressionPlan, DensitySchedule
 
@@ -187,7 +188,7 @@ def _update_at_level(grads, state: ScaleByScapeDistState, level: int, *,
   per_leaf = lambda fn: plan.treedef.unflatten(  # noqa: E731
       [optax.MaskedNode() if lay is None else vary(fn(o, m))
        for o, m, lay in zip(own, next_masks, plan.layouts)])
-  residual_sq = sum((jnp.sum(o.residual * o.residual) for o in own
+  residual_sq = sum((_scape_clip.squared_norm(o.residual) for o in own
                      if o.residual is not None), jnp.zeros([], jnp.float32))
   new_state = ScaleByScapeDistState(
       count=count,

@@ -122,7 +122,8 @@ def update(grads, state, level: int, *, plan, hyper, schedule):
 
   vary = functools.partial(varying, axis_name=hyper.axis_name)
   per_worker = lambda x: optax.MaskedNode() if x is None else vary(x)
-  residual_sq = sum((jnp.sum(r * r) for r in residual if r is not None),
+  residual_sq = sum((_scape_clip.squared_norm(r) for r in residual
+                     if r is not None),
                     jnp.zeros([], jnp.float32))
   new_state = state._replace(
       count=count,
