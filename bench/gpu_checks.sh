@@ -6,6 +6,8 @@
 #   bash bench/gpu_checks.sh select [OUT]    # per-chunk times + profiles
 #   bash bench/gpu_checks.sh update [OUT]    # the overhead table, GPU tests,
 #                                            # profiles of the update
+#   bash bench/gpu_checks.sh ab [OUT]        # bench/update_ab.py's 'decode
+#                                            # batched' beside the default
 #
 # SELECTS (default 'sort'; the third session ran 'sort_keys pallas_radix',
 # the fourth 'pallas_radix' while 'auto' was still 'sort') names the
@@ -13,7 +15,7 @@
 # 'sort'. OUT (default runs/gpu) gets each step's log and table, and
 # gpu_checks.tgz with all of them.
 set -u
-step=${1:?usage: bash bench/gpu_checks.sh select|update [OUT]}
+step=${1:?usage: bash bench/gpu_checks.sh select|update|ab [OUT]}
 out=${2:-${OUT:-runs/gpu}}
 selects=${SELECTS:-sort}
 work=$(mktemp -d)
@@ -65,8 +67,17 @@ elif [ "$step" = update ]; then
   cp "$work"/optimizer_overhead.{md,json} "$work/test_gpu.log" "$out/" \
     2>/dev/null
   for s in auto $selects; do profile "$s"; done
+elif [ "$step" = ab ]; then
+  # One decode for every leaf's masks (masks.BATCH_DECODE, off by default)
+  # against the default, on one state: 4 SCAPE programs to compile, 10-20 s
+  # each on an H100 (a 200 s limit on 8 of them ran out in the fifth GPU
+  # session).
+  run 300 ab env JAX_PLATFORMS=cuda python3 bench/update_ab.py \
+    --variants 'as is' 'decode batched' --densities 0.1 0.01 --repeats 9 \
+    --programs 1 --out "$work/ab"
+  cp "$work/ab/update_ab.md" "$out/" 2>/dev/null
 else
-  echo "unknown step '$step': select or update" >&2
+  echo "unknown step '$step': select, update or ab" >&2
   exit 2
 fi
 tar czf "$out/gpu_checks.tgz" -C "$work" .
