@@ -224,10 +224,11 @@ _STORE_OFFSETS = True
 
 # The lowering platforms on which `words_to_offsets_many` decodes every
 # leaf's bitmaps in one call, not one call per leaf (read when traced).
-# None yet: on CPU one call per leaf is the faster (`bench/update_ab.py`
-# 'decode batched'); on a GPU one call would launch one set of kernels for
-# the whole tree instead of one per leaf, which passed the GPU tests but is
-# not yet timed there (docs/benchmarks.md, section 2).
+# None yet: on CPU one call for all leaves is no faster in the update
+# (`bench/update_ab.py` 'decode batched') and slower alone; on a GPU it
+# would launch one set of kernels for the whole tree instead of one per
+# leaf, which passed the GPU tests but is not yet timed there
+# (docs/benchmarks.md, section 2).
 BATCH_DECODE = ()
 # Words of one batched decode: its offsets, 32 per word, stay below 2**31.
 _BATCH_WORDS = (1 << 31) // 32
@@ -255,7 +256,7 @@ def words_to_offsets_many(parts: Sequence[jax.Array],
 
 def _words_to_offsets_batched(parts, ks) -> list:
   """One `words_to_offsets` per group of consecutive leaves of fewer than
-  `_BATCH_WORDS` words (a leaf of more is a group alone): row r of the group
+  `_BATCH_WORDS` words (a leaf of more is a group alone): row r of a group
   holds each leaf's row r end to end, so its set bits are leaf j's k_j,
   then leaf j + 1's, ...; leaf j's offsets are the next k_j decoded, less
   32 times the words before its own."""
@@ -268,9 +269,6 @@ def _words_to_offsets_batched(parts, ks) -> list:
     size += p.shape[1]
   out = []
   for group in groups:
-    if len(group) == 1:
-      out.append(words_to_offsets(parts[group[0]], ks[group[0]]))
-      continue
     decoded = words_to_offsets(
         jnp.concatenate([parts[j] for j in group], axis=1),
         sum(ks[j] for j in group))

@@ -358,12 +358,11 @@ def _exchange_masks(own_masks, plan, k_now, hyper, shift=None) -> list:
                                         [k_now[j] for j in bitmaps])
   for j, offsets in zip(bitmaps, decoded):
     global_masks[j] = _GlobalMask(offsets, parts[j])
-  for j in sparse:
-    if enc[j] != 'bitmap':
-      offsets = masks.offsets_from_wire(parts[j], plan.layouts[j], k_now[j],
-                                        enc[j])
-      global_masks[j] = _GlobalMask(offsets, masks.offsets_to_words(
-          offsets, plan.layouts[j].chunk_size))
+  for j in (j for j in sparse if enc[j] != 'bitmap'):
+    offsets = masks.offsets_from_wire(parts[j], plan.layouts[j], k_now[j],
+                                      enc[j])
+    global_masks[j] = _GlobalMask(offsets, masks.offsets_to_words(
+        offsets, plan.layouts[j].chunk_size))
   return global_masks
 
 
