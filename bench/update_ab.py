@@ -15,7 +15,7 @@ optax.adamw, all interleaved in one process:
     the select and the payload gather, and XLA copies each stored m~
     before writing the residual into it;
   * 'norms by YNNPACK': the residual's norm and the clip's norm at M are
-    `jnp.sum(x * x)` (`_scape_clip._OWN_REDUCTION`), which XLA:CPU hands
+    `jnp.sum(x * x)` (`_norms.OWN_REDUCTION`), which XLA:CPU hands
     to YNNPACK, not its own reduction fused with x's producer.
 
 And one change not made (`masks.BATCH_DECODE`):
@@ -51,10 +51,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from scape_jax.comm import masks  # noqa: E402
+from scape_jax.optim import _norms  # noqa: E402
 from scape_jax.optim import _scape_clip  # noqa: E402
 
 # variant -> (masks._STORE_OFFSETS, _scape_clip._NORM_FUSED,
-#             masks._SCATTER_AFTER, _scape_clip._OWN_REDUCTION,
+#             masks._SCATTER_AFTER, _norms.OWN_REDUCTION,
 #             masks.BATCH_DECODE)
 _BATCHED = masks.BATCH_DECODE
 VARIANTS = {'as is': (True, True, True, True, _BATCHED),
@@ -72,15 +73,15 @@ def switched(variant: str):
   """The switches set for `variant` while tracing, then restored."""
   # pylint: disable=protected-access
   default = (masks._STORE_OFFSETS, _scape_clip._NORM_FUSED,
-             masks._SCATTER_AFTER, _scape_clip._OWN_REDUCTION,
+             masks._SCATTER_AFTER, _norms.OWN_REDUCTION,
              masks.BATCH_DECODE)
   (masks._STORE_OFFSETS, _scape_clip._NORM_FUSED, masks._SCATTER_AFTER,
-   _scape_clip._OWN_REDUCTION, masks.BATCH_DECODE) = VARIANTS[variant]
+   _norms.OWN_REDUCTION, masks.BATCH_DECODE) = VARIANTS[variant]
   try:
     yield
   finally:
     (masks._STORE_OFFSETS, _scape_clip._NORM_FUSED, masks._SCATTER_AFTER,
-     _scape_clip._OWN_REDUCTION, masks.BATCH_DECODE) = default
+     _norms.OWN_REDUCTION, masks.BATCH_DECODE) = default
 
 
 def prepared(densities, variants, params, grads, programs: int) -> dict:

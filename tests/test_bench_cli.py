@@ -295,9 +295,10 @@ def test_update_ab_shares_one_state_and_restores_the_switches():
   bench = importlib.import_module('update_ab')
   masks = importlib.import_module('scape_jax.comm.masks')
   scape = importlib.import_module('scape_jax.optim._scape_clip')
+  norms = importlib.import_module('scape_jax.optim._norms')
   # pylint: disable=protected-access
   default = (masks._STORE_OFFSETS, scape._NORM_FUSED, masks._SCATTER_AFTER,
-             scape._OWN_REDUCTION, masks.BATCH_DECODE)
+             norms.OWN_REDUCTION, masks.BATCH_DECODE)
   # Gradients large enough that the clip acts, so its norm matters; two
   # compressed leaves, so that 'decode batched' decodes them in one call.
   params, grads = ({name: scale * jax.random.normal(jax.random.key(i + j),
@@ -308,7 +309,7 @@ def test_update_ab_shares_one_state_and_restores_the_switches():
   prep = bench.prepared([0.1], list(bench.VARIANTS), params, grads,
                         programs=2)
   assert (masks._STORE_OFFSETS, scape._NORM_FUSED, masks._SCATTER_AFTER,
-          scape._OWN_REDUCTION, masks.BATCH_DECODE) == default
+          norms.OWN_REDUCTION, masks.BATCH_DECODE) == default
   assert len(prep) == 1 + 2 * len(bench.VARIANTS)
   scape_keys = [k for k in prep if k[1] is not None]
   assert len({id(prep[k].state) for k in scape_keys}) == 1

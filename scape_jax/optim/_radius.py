@@ -39,7 +39,7 @@ from scape_jax.comm import masks as mask_bits
 from scape_jax.comm import topk
 from scape_jax.comm.collectives import varying
 from scape_jax.optim import _common
-from scape_jax.optim import _scape_clip
+from scape_jax.optim import _norms
 from scape_jax.optim._common import MaskOrFn, ScalarOrSchedule
 
 DENSITY = 0.5  # Fraction of each compressed leaf sent (paper, GPT-355M: 0.5).
@@ -316,9 +316,6 @@ def _update(grads, state: ScaleByRadiusState, params, kind: str, *,
     masks = _select(corrected, masks, plan, hyper.index_radius, hyper.select)
 
   vary = functools.partial(varying, axis_name=hyper.axis_name)
-  sparse = [e for e in residual if e is not None]
-  residual_sq = sum((_scape_clip.squared_norm(e) for e in sparse),
-                    jnp.zeros([], jnp.float32))
   new_state = ScaleByRadiusState(
       count=optax.safe_increment(state.count),
       adam=adam_state,
@@ -326,7 +323,7 @@ def _update(grads, state: ScaleByRadiusState, params, kind: str, *,
       residual=plan.treedef.unflatten(
           [optax.MaskedNode() if e is None else vary(e[None])
            for e in residual]),
-      residual_norm=vary(jnp.sqrt(residual_sq)[None]))
+      residual_norm=vary(_norms.global_norm(residual)[None]))
   out = [u.astype(g.dtype) for u, g in zip(corrected, flat(grads))]
   return plan.treedef.unflatten(out), new_state
 

@@ -30,6 +30,7 @@ from scape_jax.comm.axes import DATA
 from scape_jax.comm.collectives import all_gather_invariant, varying
 from scape_jax.optim import _common
 from scape_jax.optim import _memory
+from scape_jax.optim import _norms
 from scape_jax.optim import _scape_clip
 from scape_jax.optim._density import DensitySchedule
 from scape_jax.optim._plan import CompressionPlan
@@ -279,8 +280,6 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
                                         1.0 / hyper.levels[level])
 
   vary = functools.partial(varying, axis_name=hyper.axis_name)
-  residual_sq = sum((_scape_clip.squared_norm(r) for r in residual
-                     if r is not None), jnp.zeros([], jnp.float32))
   new_state = ScaleByScapeState(
       count=count,
       mu=plan.treedef.unflatten(bbar),
@@ -288,7 +287,7 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
           [optax.MaskedNode() if r is None else vary(r) for r in residual]),
       mask=plan.treedef.unflatten(
           [optax.MaskedNode() if o is None else vary(o) for o in own_mask]),
-      residual_norm=vary(jnp.sqrt(residual_sq)[None]),
+      residual_norm=vary(_norms.global_norm(residual)[None]),
       density=jnp.asarray(hyper.levels[level], jnp.float32),
       variant_state=variant_state, local_state=state.local_state)
   direction = [d.astype(g.dtype) for d, g in zip(direction, flat(grads))]

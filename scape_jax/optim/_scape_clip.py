@@ -3,13 +3,11 @@
 leaf, in the forms that keep XLA:CPU from storing a full-shape gbar
 (docs/design.md, "What XLA:CPU does to the update")."""
 
-import math
-
-import jax
 import jax.numpy as jnp
 import optax
 
 from scape_jax.comm import masks
+from scape_jax.optim import _norms
 
 
 # At or below this density the clip's norm sums only gbar's N*k entries at M
@@ -28,19 +26,19 @@ def squared_norms(gbar, bbar, in_mask, mu, exchanged, plan, global_masks,
   leaves over (bbar - b1 m) at M, times 1 / (1 - b1)**2: an expression
   XLA cannot merge with gbar's, so that the norm's pass and the
   direction's each compute it from bbar and m and no full-shape gbar is
-  stored (`sum_squares`)."""
+  stored (`_norms.sum_squares`)."""
   out = []
   for g, b, inside, m, values, layout, mask in zip(
       gbar, bbar, in_mask, mu, exchanged, plan.layouts, global_masks):
     if mask is None:
       out.append(optax.tree.norm(g, squared=True))
     elif values.size > layout.padded * _NORM_AT_M_MAX_DENSITY:
-      out.append(sum_squares(jnp.where(inside, b - b1 * m, 0.0))
+      out.append(_norms.sum_squares(jnp.where(inside, b - b1 * m, 0.0))
                  * (1.0 / (1.0 - b1))**2 if _NORM_FUSED else
                  optax.tree.norm(g, squared=True))
     else:
       m_at = masks.gather_at(m, layout, mask.offsets)
-      out.append(squared_norm((values - b1 * m_at) / (1.0 - b1)))
+      out.append(_norms.squared_norm((values - b1 * m_at) / (1.0 - b1)))
   return out
 
 
@@ -48,58 +46,6 @@ def squared_norms(gbar, bbar, in_mask, mu, exchanged, plan, global_masks,
 # above `_NORM_AT_M_MAX_DENSITY`, as before (read when traced;
 # `bench/update_ab.py`).
 _NORM_FUSED = True
-
-
-# False: `squared_norm` is jnp.sum(x * x), which XLA:CPU hands to YNNPACK, as
-# before (read when traced; `bench/update_ab.py`).
-_OWN_REDUCTION = True
-
-
-def squared_norm(x: jax.Array) -> jax.Array:
-  """sum(x * x) of a leaf-sized or compacted array: `sum_squares`, or with
-  `_OWN_REDUCTION` off the plain sum."""
-  return sum_squares(x) if _OWN_REDUCTION else jnp.sum(x * x)
-
-
-# Entries per row of a 1-D array in `sum_squares` (a leaf of ndim >= 2 is
-# summed along its own last axis).
-_ROW = 1024
-
-
-def sum_squares(x: jax.Array) -> jax.Array:
-  """sum(x * x), as a reduction that XLA:CPU compiles itself, fused with
-  the producer of x. A plain f32 sum goes to YNNPACK, which needs its
-  operand stored first; this one also counts the elements (as int32: an
-  fp32 count was slower in an ad-hoc A/B) and reads the count, which keeps
-  it from YNNPACK. It sums rows first (x's last axis, or `_ROW` entries of
-  a 1-D x), then the row sums: a single running sum over a 12M-entry leaf
-  was off by 7e-4 relative, and a reduction to one scalar runs on one
-  thread, where one to a vector of rows is split between threads. (The
-  int32 count of rows wraps at 2**31 rows, 2**41 entries of a 1-D x.)"""
-  rows = math.prod(x.shape[:-1])
-  if x.ndim >= 2 and rows < 1 << 31:
-    return _row_sums(x.reshape(rows, x.shape[-1]))
-  x = x.reshape(-1)
-  bulk = x.size - x.size % _ROW  # whole rows, then the few entries left
-  total = _row_sums(x[:bulk].reshape(-1, _ROW))
-  if bulk < x.size:
-    tail = x[bulk:]
-    total = total + _own_sum(tail * tail)
-  return total
-
-
-def _row_sums(rows: jax.Array) -> jax.Array:
-  """sum(rows * rows): each row's sum, then theirs, both by `_own_sum`."""
-  return _own_sum(_own_sum(rows * rows))
-
-
-def _own_sum(x: jax.Array) -> jax.Array:
-  """x [R, C] -> its sums along axis 1, or x [R] -> its sum, by a reduction
-  that also counts the entries summed and reads the count (>= 0: + 0)."""
-  total, count = jax.lax.reduce(
-      (x, jnp.ones(x.shape, jnp.int32)), (jnp.float32(0), jnp.int32(0)),
-      lambda a, b: (a[0] + b[0], a[1] + b[1]), (x.ndim - 1,))
-  return total + jnp.where(count < 0, 1.0, 0.0)
 
 
 def clip(gbar, clip_norm, squares=None):

@@ -37,7 +37,7 @@ from scape_jax.comm.axes import DATA
 from scape_jax.comm.collectives import all_gather_invariant, varying
 from scape_jax.optim import _common
 from scape_jax.optim import _scape
-from scape_jax.optim import _scape_clip
+from scape_jax.optim import _norms
 from scape_jax.optim._common import MaskOrFn, ScalarOrSchedule
 from scape_jax.optim._scape import CompressionPlan, DensitySchedule
 
@@ -188,8 +188,6 @@ def _update_at_level(grads, state: ScaleByScapeDistState, level: int, *,
   per_leaf = lambda fn: plan.treedef.unflatten(  # noqa: E731
       [optax.MaskedNode() if lay is None else vary(fn(o, m))
        for o, m, lay in zip(own, next_masks, plan.layouts)])
-  residual_sq = sum((_scape_clip.squared_norm(o.residual) for o in own
-                     if o.residual is not None), jnp.zeros([], jnp.float32))
   new_state = ScaleByScapeDistState(
       count=count,
       mu_dense=plan.treedef.unflatten(
@@ -199,7 +197,7 @@ def _update_at_level(grads, state: ScaleByScapeDistState, level: int, *,
       carry=per_leaf(lambda o, _: o.carry[None]),
       residual=per_leaf(lambda o, _: o.residual[None]),
       mask=per_leaf(lambda _, m: m),
-      residual_norm=vary(jnp.sqrt(residual_sq)[None]),
+      residual_norm=vary(_norms.global_norm([o.residual for o in own])[None]),
       density=jnp.asarray(hyper.levels[level], jnp.float32))
   direction = [d.astype(g.dtype) for d, g in zip(direction, flat(grads))]
   return plan.treedef.unflatten(direction), new_state

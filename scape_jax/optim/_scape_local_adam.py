@@ -54,6 +54,7 @@ from scape_jax.comm import masks
 from scape_jax.comm.collectives import varying
 from scape_jax.optim import _common
 from scape_jax.optim import _scape
+from scape_jax.optim import _norms
 from scape_jax.optim import _scape_clip
 
 
@@ -122,15 +123,12 @@ def update(grads, state, level: int, *, plan, hyper, schedule):
 
   vary = functools.partial(varying, axis_name=hyper.axis_name)
   per_worker = lambda x: optax.MaskedNode() if x is None else vary(x)
-  residual_sq = sum((_scape_clip.squared_norm(r) for r in residual
-                     if r is not None),
-                    jnp.zeros([], jnp.float32))
   new_state = state._replace(
       count=count,
       mu=plan.treedef.unflatten(mu),
       residual=plan.treedef.unflatten([per_worker(r) for r in residual]),
       mask=plan.treedef.unflatten([per_worker(o) for o in own_mask]),
-      residual_norm=vary(jnp.sqrt(residual_sq)[None]),
+      residual_norm=vary(_norms.global_norm(residual)[None]),
       density=jnp.asarray(hyper.levels[level], jnp.float32),
       local_state=tuple(plan.treedef.unflatten(
           [x if isinstance(x, optax.MaskedNode) else vary(x[None])
