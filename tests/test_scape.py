@@ -1,7 +1,5 @@
 """SCAPE (Algorithm 1) against AdamS and an independent NumPy simulation."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,62 +10,23 @@ from jax.sharding import PartitionSpec as P
 
 import scape_jax
 from scape_jax.comm import masks
-from scape_jax.optim import _scape_clip
+from scape_jax.optim import _norms
+from tests.mesh_runner import MeshRunner, make_mesh, random_params
+from tests.mesh_runner import worker_grads as _worker_grads
 from tests.reference import LocalAdamReference, ScapeReference
 from tests.reference import adams_reference, k_of
 
 
-def _mesh(n):
-  return jax.make_mesh((n,), ('data',), devices=jax.devices()[:n])
+_SHAPES = {'w1': (64, 40), 'w2': (13, 7), 'b': (7,), 's': (40,)}
 
 
 def _params(seed=0, shapes=None):
-  rng = np.random.default_rng(seed)
-  shapes = shapes or {'w1': (64, 40), 'w2': (13, 7), 'b': (7,), 's': (40,)}
-  return {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+  return random_params(shapes or _SHAPES, seed)
 
 
-def _worker_grads(params, n, steps, seed=1):
-  """Per step: {leaf: float32[n, *shape]}, different on every worker."""
-  rng = np.random.default_rng(seed)
-  out = []
-  for _ in range(steps):
-    out.append({k: (rng.normal(size=p.shape) +
-                    rng.normal(size=(n,) + p.shape) * 0.5).astype(np.float32)
-                for k, p in params.items()})
-  return out
-
-
-class Runner:
-  """Runs `tx` on an n-worker mesh with shard_map, one program per level."""
-
-  def __init__(self, tx, params, n):
-    self.tx, self.mesh, self.n = tx, _mesh(n), n
-    with jax.set_mesh(self.mesh):
-      state = tx.init(params)
-    self.specs = scape_jax.state_partition_specs(state)
-    self.state = jax.device_put(
-        state, jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs))
-    self.params = jax.device_put(params, NamedSharding(self.mesh, P()))
-    self.traces = 0
-
-  @functools.cache
-  def _step(self, level):
-
-    def step(p, s, g):
-      self.traces += 1
-      g = jax.tree.map(lambda x: x[0], g)
-      kw = {} if level is None else {'density_level': level}
-      u, s = self.tx.update(g, s, p, **kw)
-      return optax.apply_updates(p, u), s
-
-    return jax.jit(jax.shard_map(
-        step, mesh=self.mesh, in_specs=(P(), self.specs, P('data')),
-        out_specs=(P(), self.specs)))
-
-  def step(self, grads, level=None):
-    g = jax.device_put(grads, NamedSharding(self.mesh, P('data')))
-    self.params, self.state = self._step(level)(self.params, self.state, g)
+def Runner(tx, params, n):  # pylint: disable=invalid-name
+  """`tx` on an n-worker mesh, one program per density level."""
+  return MeshRunner(tx, params, n, static_name='density_level')
 
 
 def _scape_state(state):
@@ -326,12 +285,8 @@ def test_wire_bytes_from_compiled_step():
   for encoding in ('bitmap', 'indices', 'auto'):
     tx = scape_jax.scape(1e-2, density=density, mask_encoding=encoding)
     run = Runner(tx, params, n)
-    grads = jax.tree.map(
-        lambda p: jax.ShapeDtypeStruct((n,) + p.shape, jnp.float32,
-                                       sharding=NamedSharding(run.mesh,
-                                                              P('data'))),
-        params)
-    cols = analysis.collectives(run._step(1), run.params, run.state, grads)
+    cols = analysis.collectives(run.compiled(1), run.params, run.state,
+                                run.abstract_grads(params))
     selected, words = 0, 0
     for name in ('w1', 'w2'):
       lay = masks.LeafLayout.create(params[name].size, n)
@@ -361,16 +316,12 @@ def test_variants_send_the_same_collectives_and_differ_in_the_step():
   for variant in _scape_variants.VARIANTS:
     run = Runner(scape_jax.scape(1e-2, density=density, variant=variant),
                  params, n)
-    grads = jax.tree.map(
-        lambda p: jax.ShapeDtypeStruct((n,) + p.shape, jnp.float32,
-                                       sharding=NamedSharding(run.mesh,
-                                                              P('data'))),
-        params)
     cols[variant] = [(c.kind, c.dtype, c.elements, c.bytes_sent) for c in
-                     analysis.collectives(run._step(1), run.params,
-                                          run.state, grads)]
+                     analysis.collectives(run.compiled(1), run.params,
+                                          run.state,
+                                          run.abstract_grads(params))]
     for g in _worker_grads(params, n, 4):
-      run.step(g, level=1)
+      run.step(g, 1)
     finals[variant] = np.asarray(run.params['w1'])
   assert sorted(k for k, *_ in cols['faithful']) == ['all-gather',
                                                      'all-reduce']
@@ -456,7 +407,7 @@ def test_inject_hyperparams_learning_rate():
 def test_state_type_is_stable_and_init_is_abstract():
   params = _params(0, {'w': (16, 8), 'b': (8,)})
   tx = scape_jax.scape(1e-2, density=0.25)
-  mesh = _mesh(8)
+  mesh = make_mesh(8)
 
   def body(p, g):
     s0 = tx.init(p)
@@ -528,7 +479,7 @@ def test_every_select_gives_the_same_masks_and_updates():
 def test_pallas_select_lowers_the_update_for_cuda():
   params = _params(0, {'w': (64, 40), 'b': (40,)})
   tx = scape_jax.scape(1e-2, density=0.1, select='pallas')
-  mesh = _mesh(4)
+  mesh = make_mesh(4)
   with jax.set_mesh(mesh):
     state = tx.init(params)
   specs = scape_jax.state_partition_specs(state)
@@ -584,11 +535,11 @@ def test_sum_squares_is_the_sum_of_squares_outside_ynnpack():
   # One running sum over 4M entries was off by 2e-5 to 1e-4 relative.
   for shape in ((300, 70), (2048, 2048), (1 << 22,), (2049,), (0,), (5, 0)):
     y = rng.normal(size=shape).astype(np.float32)
-    np.testing.assert_allclose(float(jax.jit(_scape_clip.sum_squares)(y)),
+    np.testing.assert_allclose(float(jax.jit(_norms.sum_squares)(y)),
                                np.sum(y.astype(np.float64)**2), rtol=2e-6,
                                err_msg=str(shape))
   x = rng.normal(size=(300, 70)).astype(np.float32)
   plain = jax.jit(lambda y: jnp.sum(y * y)).lower(x).compile().as_text()
-  ours = jax.jit(_scape_clip.sum_squares).lower(x).compile().as_text()
+  ours = jax.jit(_norms.sum_squares).lower(x).compile().as_text()
   if '%ynn_fusion' in plain:  # XLA:CPU builds with YNNPACK fusions
     assert '%ynn_fusion' not in ours
