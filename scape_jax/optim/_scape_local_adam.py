@@ -53,8 +53,8 @@ import optax
 from scape_jax.comm import masks
 from scape_jax.comm.collectives import varying
 from scape_jax.optim import _common
-from scape_jax.optim import _scape
 from scape_jax.optim import _norms
+from scape_jax.optim import _scape
 from scape_jax.optim import _scape_clip
 
 
