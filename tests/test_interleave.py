@@ -9,8 +9,8 @@ import pytest
 import scape_jax
 from scape_jax.comm import masks
 from scape_jax.optim import _interleave
+from tests.mesh_runner import MeshRunner, random_params, worker_grads
 from tests.reference import ScapeReference
-from tests.test_scape import Runner, _params, _scape_state, _worker_grads
 
 
 def _order(size, n):
@@ -36,9 +36,10 @@ def test_interleaved_scape_matches_numpy_on_the_reordered_leaves(chosen):
   """Algorithm 1 with interleaved chunks (every leaf, or only 'w1' through
   `mask`) equals the NumPy simulation run on the leaves reordered by
   `_order` (params, m, masks), put back in order."""
-  params = _params()
+  params = random_params({'w1': (64, 40), 'w2': (13, 7), 'b': (7,),
+                          's': (40,)})
   n, steps, clip, density = 8, 12, 2.0, 0.1
-  grads = _worker_grads(params, n, steps)
+  grads = worker_grads(params, n, steps)
   names = sorted(params)
   order = {k: _order(params[k].size, 1 if chosen and k not in chosen else n)
            for k in names}
@@ -54,14 +55,14 @@ def test_interleaved_scape_matches_numpy_on_the_reordered_leaves(chosen):
   tx = scape_jax.interleave_chunks(
       scape_jax.scape(1e-2, density=density, clip_norm=clip),
       mask=chosen and {k: k in chosen for k in names})
-  run = Runner(tx, params, n)
+  run = MeshRunner(tx, params, n)
   ref = ScapeReference([reorder(k, params[k]) for k in names],
                        [params[k].ndim >= 2 for k in names], n,
                        density=density, lr_fn=lambda i: 1e-2, clip=clip)
   for g in grads:
     run.step(g)
     ref.step([[reorder(k, g[k][w]) for k in names] for w in range(n)])
-    st = _scape_state(run.state)
+    st = run.state[0]  # the chain's scale_by_scape
     for j, k in enumerate(names):
       np.testing.assert_allclose(np.asarray(run.params[k]),
                                  restore(k, ref.w[j]), rtol=2e-5, atol=2e-6)
@@ -76,7 +77,7 @@ def test_interleaved_scape_matches_numpy_on_the_reordered_leaves(chosen):
 def _sent_nonzero(tx, grads):
   """Entries of 'e' (an embedding-like leaf) that the second update moves."""
   params = {'e': np.zeros((64, 16), np.float32)}
-  run = Runner(tx, params, 8)
+  run = MeshRunner(tx, params, 8)
   for g in grads:
     before = np.asarray(run.params['e'])
     run.step({'e': g})
