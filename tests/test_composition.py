@@ -87,6 +87,24 @@ def test_weight_decay_mask_decays_only_the_marked_leaves(name):
   assert not np.allclose(want['w'], np.asarray(plain.params['w']))
 
 
+@pytest.mark.parametrize('name', ['adams', 'scape', 'scape_dist', 'radius',
+                                  'demo'])
+def test_a_negative_weight_decay_is_refused_by_name(name):
+  """Every alias refuses weight_decay < 0 when it is built (optax's
+  add_decayed_weights takes it silently; only Radius refused it); 0 and an
+  array weight decay build and step."""
+  extra = {'density': 0.25} if name in ('scape', 'scape_dist', 'radius') else {}
+  extra.update({} if name == 'adams' else {'axis_name': None})
+  make = getattr(scape_jax, name)
+  with pytest.raises(ValueError, match=r'weight_decay=-0.1 must be finite '
+                     r'and >= 0'):
+    make(1e-2, weight_decay=-0.1, **extra)
+  params = {'w': jnp.ones((16, 8))}
+  for weight_decay in (0.0, jnp.float32(0.5)):
+    tx = make(1e-2, weight_decay=weight_decay, **extra)
+    tx.update(params, tx.init(params), params)
+
+
 @pytest.mark.parametrize('name', ['scape', 'scape_dist'])
 def test_a_leaf_past_int32_offsets_is_refused_by_name(name):
   """A compressed leaf of 2**31 elements would overflow the masks' int32

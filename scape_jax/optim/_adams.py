@@ -89,7 +89,7 @@ def adams(
     b1: decay rate of the first moment.
     b2: weight of the previous first moment squared in the preconditioner.
     eps: term added to the denominator for numerical stability.
-    weight_decay: decoupled weight-decay strength.
+    weight_decay: decoupled weight-decay strength, >= 0.
     mask: optional tree (or callable) of bools selecting the leaves that get
       weight decay, as in `optax.adamw`.
     mu_dtype: optional dtype of the first moment.
@@ -103,6 +103,6 @@ def adams(
   """
   return optax.chain(
       scale_by_adams(b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype),
-      optax.add_decayed_weights(weight_decay, mask),
+      _common.add_decayed_weights('adams', weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
   )

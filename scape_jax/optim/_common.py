@@ -103,6 +103,14 @@ def check_int(where: str, name: str, value, low: int,
     raise ValueError(f'{where}: {name}={value!r} must be {allowed}{why}.')
 
 
+def add_decayed_weights(where: str, weight_decay,
+                        mask: MaskOrFn = None) -> optax.GradientTransformation:
+  """`optax.add_decayed_weights`, after checking that `weight_decay` >= 0
+  (a traced value passes): the decoupled weight decay of the aliases."""
+  check_non_negative(where, 'weight_decay', weight_decay)
+  return optax.add_decayed_weights(weight_decay, mask)
+
+
 def bias_corrections(count, b1, b2) -> tuple:
   """(1 - b1^t, 1 - b2^t) in float32 for step t = count."""
   t = count.astype(jnp.float32)

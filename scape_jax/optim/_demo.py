@@ -390,7 +390,7 @@ def demo(
   Args:
     learning_rate: a float or an optax schedule.
     beta, chunk, topk, axis_name: see `scale_by_demo`.
-    weight_decay: decoupled weight-decay strength.
+    weight_decay: decoupled weight-decay strength, >= 0.
     weight_decay_mask: optional tree or callable of bools selecting the leaves
       that get weight decay.
 
@@ -402,7 +402,8 @@ def demo(
   """
   return optax.chain(
       scale_by_demo(beta, chunk, topk, axis_name=axis_name),
-      optax.add_decayed_weights(weight_decay, weight_decay_mask),
+      _common.add_decayed_weights('demo', weight_decay,
+                                  weight_decay_mask),
       optax.scale_by_learning_rate(learning_rate),
   )
 

@@ -516,7 +516,7 @@ def scape(
     b1, b2, eps, clip_norm, axis_name, compress, density_warmup_steps,
       mask_encoding, select, payload_dtype, offset_bits, variant: see
       `scale_by_scape`.
-    weight_decay: decoupled weight-decay strength.
+    weight_decay: decoupled weight-decay strength, >= 0.
     weight_decay_mask: optional tree or callable of bools selecting the leaves
       that get weight decay.
 
@@ -533,7 +533,8 @@ def scape(
                      mask_encoding=mask_encoding, select=select,
                      payload_dtype=payload_dtype, offset_bits=offset_bits,
                      variant=variant),
-      optax.add_decayed_weights(weight_decay, weight_decay_mask),
+      _common.add_decayed_weights('scape', weight_decay,
+                                  weight_decay_mask),
       optax.scale_by_learning_rate(learning_rate),
   )
 

@@ -346,7 +346,8 @@ def scape_dist(
                           axis_name=axis_name, compress=compress,
                           density_warmup_steps=density_warmup_steps,
                           mask_encoding=mask_encoding, select=select),
-      optax.add_decayed_weights(weight_decay, weight_decay_mask),
+      _common.add_decayed_weights('scape_dist', weight_decay,
+                                  weight_decay_mask),
       optax.scale_by_learning_rate(learning_rate),
   )
 
