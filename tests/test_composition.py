@@ -210,6 +210,10 @@ def test_compress_except_leaves_the_named_leaves_dense():
     np.testing.assert_allclose(np.asarray(run.params[k]), ref.w[j],
                                rtol=2e-5, atol=2e-6, err_msg=k)
   assert scape_jax.compress_except(['', ' ']) is None
+  # One str is one part, not its letters ('m' of 'embed' is in 'mlp').
+  tree = {'embed': jnp.ones((2, 2)), 'mlp': jnp.ones((2, 2))}
+  assert scape_jax.compress_except('embed')(tree) == {'embed': False,
+                                                      'mlp': True}
   with pytest.raises(ValueError, match=r"scape: \['x'\] match no parameter "
                      r"path; the paths are \[\"\['b'\]\""):
     scape_jax.compress_except(['w', 'x'], 'scape')(params)

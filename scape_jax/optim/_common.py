@@ -244,12 +244,13 @@ def at_density_level(step: Callable[[int], Any], density_level,
                                           for i in range(len(levels))])
 
 
-def compress_except(parts: Sequence[str], where: str = 'compress_except'):
+def compress_except(parts: Union[str, Sequence[str]],
+                    where: str = 'compress_except'):
   """A `compress` for SCAPE that sends whole, besides the leaves of rank < 2
   (norms, biases), every leaf whose path (`jax.tree_util.keystr`) contains
-  one of `parts` (e.g. 'embed_tokens'); None (the default) if `parts` holds
-  no non-empty string. A part that matches no leaf is a ValueError naming
-  it and `where`."""
+  one of `parts` (e.g. ['embed_tokens', 'lm_head'], or one str: one part);
+  None (the default) if `parts` holds no non-empty string. A part that
+  matches no leaf is a ValueError naming it and `where`."""
   named = leaves_named(parts, where)
   if named is None:
     return None
@@ -261,11 +262,12 @@ def compress_except(parts: Sequence[str], where: str = 'compress_except'):
   return compress
 
 
-def leaves_named(parts: Sequence[str], where: str):
+def leaves_named(parts: Union[str, Sequence[str]], where: str):
   """A callable tree -> tree of bools: True where the leaf's path
   (`jax.tree_util.keystr`) contains one of `parts`; None if `parts` holds no
   non-empty string. A part that matches no leaf is a ValueError naming it
-  and `where`."""
+  and `where`. A str is one part, not a sequence of one-letter parts."""
+  parts = [parts] if isinstance(parts, str) else parts
   parts = [p.strip() for p in parts if p.strip()]
   if not parts:
     return None
