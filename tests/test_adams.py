@@ -54,7 +54,10 @@ def test_adams_state_has_no_second_moment():
   assert set(state._fields) == {'count', 'mu'}
 
 
-@pytest.mark.parametrize('kwargs', [dict(b1=1.0), dict(b2=-0.1), dict(eps=-1)])
+@pytest.mark.parametrize('kwargs', [dict(b1=1.0), dict(b2=-0.1), dict(eps=-1),
+                                    dict(mu_dtype=jnp.int32),
+                                    dict(mu_dtype='bool'),
+                                    dict(mu_dtype='foo')])
 def test_adams_rejects_bad_hyperparameters(kwargs):
   with pytest.raises(ValueError, match=list(kwargs)[0]):
     scape_jax.scale_by_adams(**kwargs)

@@ -49,6 +49,7 @@ def scale_by_adams(
     pretraining and post-training", 2025; SCAPE paper, Eq. 2.
   """
   _common.check_moments('scale_by_adams', b1, b2, eps)
+  _check_mu_dtype(mu_dtype)
 
   def init_fn(params):
     mu = jax.tree.map(lambda p: jnp.zeros(p.shape, mu_dtype or p.dtype), params)
@@ -71,6 +72,19 @@ def scale_by_adams(
     return direction, ScaleByAdamSState(count=count, mu=mu)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _check_mu_dtype(mu_dtype) -> None:
+  """Raises ValueError unless mu_dtype is None or a floating dtype."""
+  if mu_dtype is None:
+    return
+  try:
+    name = jnp.dtype(mu_dtype).name
+  except TypeError:
+    name = None
+  if name is None or not jnp.issubdtype(name, jnp.floating):
+    raise ValueError(f'scale_by_adams: mu_dtype={name or mu_dtype!r} must '
+                     'be None or a floating dtype (float32, bfloat16, ...).')
 
 
 def adams(
