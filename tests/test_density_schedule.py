@@ -67,3 +67,17 @@ def test_algorithm_1_under_a_warmup_matches_numpy():
       np.testing.assert_allclose(np.asarray(run.params[k]), ref.w[j],
                                  rtol=2e-5, atol=2e-6, err_msg=f'{k} t={t}')
   assert float(run.state[0].density) == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize('level', [2, -1, 0.5, True, '1'])
+def test_a_density_level_outside_the_levels_is_refused(level):
+  """The static `density_level` is an integer level of the schedule; 0.5
+  was truncated to level 0 and True taken as level 1."""
+  params = {'w': jnp.ones((16, 8))}
+  tx = scape_jax.scape(1e-2, density=0.1, axis_name=None)
+  state = tx.init(params)
+  with pytest.raises(ValueError, match=r'density_level=.*; allowed: an '
+                     r'integer in 0\.\.1 \(levels \(1\.0, 0\.1\)\)'):
+    tx.update(params, state, params, density_level=level)
+  for ok in (1, np.int64(1)):
+    tx.update(params, state, params, density_level=ok)

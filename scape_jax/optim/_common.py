@@ -231,12 +231,16 @@ def at_density_level(step: Callable[[int], Any], density_level,
   `scheduled_level` (traced) through a `lax.switch` over every level.
 
   Raises:
-    ValueError: `density_level` is not in 0..len(levels) - 1.
+    ValueError: `density_level` is not an integer in 0..len(levels) - 1
+      (a float such as 0.5 was truncated to a level).
   """
   if density_level is not None:
-    if not 0 <= int(density_level) < len(levels):
+    whole = (isinstance(density_level, (int, np.integer))
+             and not isinstance(density_level, bool))
+    if not (whole and 0 <= density_level < len(levels)):
       raise ValueError(f'scape: density_level={density_level!r}; allowed: '
-                       f'0..{len(levels) - 1} (levels {levels}).')
+                       f'an integer in 0..{len(levels) - 1} (levels '
+                       f'{levels}).')
     return step(int(density_level))
   if len(levels) == 1:
     return step(0)
