@@ -142,6 +142,16 @@ def test_density_warmup_steps_must_be_an_integer():
     scape_jax.scape(1e-2, density=0.1, density_warmup_steps=2.5)
 
 
+@pytest.mark.parametrize('axis_name', [3, (), ('data', 2), ['data']])
+def test_an_axis_name_of_another_type_is_refused_by_name(axis_name):
+  """None, a str or a tuple of str: anything else named (3 was 'axis 3 is
+  out of bounds for array of dimension 0')."""
+  params = {'w': jnp.ones((16, 8))}
+  with pytest.raises(ValueError, match=r'axis_name=.* must be None, a mesh '
+                     r'axis name \(str\) or a tuple of them'):
+    scape_jax.scape(1e-2, density=0.1, axis_name=axis_name).init(params)
+
+
 def test_a_tuple_of_mesh_axes_is_one_flat_axis():
   """init_sharded over ('replica', 'data') of a 2x4 mesh, then 3 steps in
   shard_map: the same run as 8 workers on one 'data' axis, bit for bit

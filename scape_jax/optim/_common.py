@@ -174,13 +174,16 @@ def axis_context(where: str, axis_name: Union[None, str, tuple]) -> tuple:
   """
   if axis_name is None:
     return 1, True
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if not names or not all(isinstance(n, str) for n in names):
+    raise ValueError(f'{where}: axis_name={axis_name!r} must be None, a mesh '
+                     'axis name (str) or a tuple of them.')
   try:
     return jax.lax.axis_size(axis_name), True
   except NameError:
     pass
   mesh = jax.sharding.get_abstract_mesh()
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  if (where.endswith('init') and not mesh.empty and names and
+  if (where.endswith('init') and not mesh.empty and
       all(n in mesh.axis_names for n in names)):
     return math.prod(mesh.shape[n] for n in names), False
   raise ValueError(
