@@ -131,3 +131,14 @@ def test_interleave_chunks_needs_a_bound_axis():
     tx.init({'w': jnp.ones((4, 4))})
   with pytest.raises(ValueError, match='interleave_chunks update.*not bound'):
     tx.update({'w': jnp.ones((4, 4))}, optax.EmptyState())
+
+
+def test_a_mask_that_is_not_a_prefix_of_the_params_is_refused_by_name():
+  """A mask tree of other keys names the mask and both structures (it was
+  JAX's bare 'pytree structure error')."""
+  tx = scape_jax.interleave_chunks(
+      scape_jax.scape(1e-2, density=0.1, axis_name=None), axis_name=None,
+      mask={'x': True})
+  with pytest.raises(ValueError, match=r"interleave_chunks init: the mask "
+                     r"tree PyTreeDef\(\{'x': \*\}\) is not a prefix of"):
+    tx.init({'w': jnp.ones((16, 8))})
