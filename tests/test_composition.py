@@ -105,6 +105,25 @@ def test_a_negative_weight_decay_is_refused_by_name(name):
     tx.update(params, tx.init(params), params)
 
 
+@pytest.mark.parametrize('name', ['adams', 'scape', 'scape_dist', 'demo'])
+def test_a_weight_decay_mask_of_other_leaves_is_refused_by_name(name):
+  """A weight-decay mask that is not a prefix of the params names itself and
+  both structures at init (it was JAX's bare 'pytree structure error');
+  a prefix (one bool per top-level key) is fine."""
+  extra = {'density': 0.25} if name.startswith('scape') else {}
+  extra.update({'mask': 'mask'} if name == 'adams' else
+               {'axis_name': None, 'mask': 'weight_decay_mask'})
+  arg = extra.pop('mask')
+  make = functools.partial(getattr(scape_jax, name), 1e-2, **extra)
+  params = {'w': jnp.ones((16, 8)), 'inner': {'b': jnp.ones((8,))}}
+  with pytest.raises(ValueError, match=rf"{name}: the {arg} tree "
+                     r"PyTreeDef\(\{'w': \*\}\) is not a prefix of the "
+                     r"params"):
+    make(**{arg: {'w': True}}).init(params)
+  tx = make(**{arg: {'w': True, 'inner': False}})
+  tx.update(params, tx.init(params), params)
+
+
 @pytest.mark.parametrize('name', ['scape', 'scape_dist'])
 def test_a_leaf_past_int32_offsets_is_refused_by_name(name):
   """A compressed leaf of 2**31 elements would overflow the masks' int32

@@ -117,6 +117,6 @@ def adams(
   """
   return optax.chain(
       scale_by_adams(b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype),
-      _common.add_decayed_weights('adams', weight_decay, mask),
+      _common.add_decayed_weights('adams', weight_decay, mask, 'mask'),
       optax.scale_by_learning_rate(learning_rate),
   )

@@ -103,12 +103,29 @@ def check_int(where: str, name: str, value, low: int,
     raise ValueError(f'{where}: {name}={value!r} must be {allowed}{why}.')
 
 
-def add_decayed_weights(where: str, weight_decay,
-                        mask: MaskOrFn = None) -> optax.GradientTransformation:
-  """`optax.add_decayed_weights`, after checking that `weight_decay` >= 0
-  (a traced value passes): the decoupled weight decay of the aliases."""
+def add_decayed_weights(where: str, weight_decay, mask: MaskOrFn = None,
+                        name: str = 'weight_decay_mask'
+                        ) -> optax.GradientTransformation:
+  """`optax.add_decayed_weights`, the decoupled weight decay of the aliases,
+  after checking that `weight_decay` >= 0 (a traced value passes); its init
+  refuses a `mask` tree that is not a prefix of the params, by `name`."""
   check_non_negative(where, 'weight_decay', weight_decay)
-  return optax.add_decayed_weights(weight_decay, mask)
+  tx = optax.add_decayed_weights(weight_decay, mask)
+  if mask is None:
+    return tx
+
+  def init_fn(params):
+    tree = mask(params) if callable(mask) else mask
+    try:
+      jax.tree.map(lambda *_: None, tree, params)
+    except (ValueError, TypeError) as e:
+      raise ValueError(
+          f'{where}: the {name} tree {jax.tree.structure(tree)} is not a '
+          f'prefix of the params {jax.tree.structure(params)}.'
+      ) from e
+    return tx.init(params)
+
+  return optax.GradientTransformation(init_fn, tx.update)
 
 
 def bias_corrections(count, b1, b2) -> tuple:
