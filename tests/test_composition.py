@@ -169,6 +169,11 @@ def test_an_axis_name_of_another_type_is_refused_by_name(axis_name):
   with pytest.raises(ValueError, match=r'axis_name=.* must be None, a mesh '
                      r'axis name \(str\) or a tuple of them'):
     scape_jax.scape(1e-2, density=0.1, axis_name=axis_name).init(params)
+  # The dense exchange also takes a list of names, and () as no axis.
+  if axis_name not in (['data'], ()):
+    with pytest.raises(ValueError, match=r'must be None, a mesh axis name '
+                       r'\(str\) or a sequence of them'):
+      scape_jax.pmean_gradients(axis_name)
 
 
 def test_a_tuple_of_mesh_axes_is_one_flat_axis():

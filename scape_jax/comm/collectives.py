@@ -22,9 +22,17 @@ AxisNames = Union[None, str, Sequence[str]]
 
 
 def _axes(axis_names: AxisNames) -> tuple:
+  """The mesh axes as a tuple of str (None: none); any other value is a
+  ValueError naming it."""
   if axis_names is None:
     return ()
-  return (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+  axes = ((axis_names,) if isinstance(axis_names, str) else
+          tuple(axis_names) if isinstance(axis_names, (tuple, list)) else
+          None)
+  if axes is None or not all(isinstance(a, str) for a in axes):
+    raise ValueError(f'axis_name={axis_names!r} must be None, a mesh axis '
+                     'name (str) or a sequence of them.')
+  return axes
 
 
 def all_gather_invariant(x, axis_name):
