@@ -110,10 +110,9 @@ def test_a_weight_decay_mask_of_other_leaves_is_refused_by_name(name):
   """A weight-decay mask that is not a prefix of the params names itself and
   both structures at init (it was JAX's bare 'pytree structure error');
   a prefix (one bool per top-level key) is fine."""
-  extra = {'density': 0.25} if name.startswith('scape') else {}
-  extra.update({'mask': 'mask'} if name == 'adams' else
-               {'axis_name': None, 'mask': 'weight_decay_mask'})
-  arg = extra.pop('mask')
+  arg = 'mask' if name == 'adams' else 'weight_decay_mask'
+  extra = {} if name == 'adams' else {'axis_name': None}
+  extra.update({'density': 0.25} if name.startswith('scape') else {})
   make = functools.partial(getattr(scape_jax, name), 1e-2, **extra)
   params = {'w': jnp.ones((16, 8)), 'inner': {'b': jnp.ones((8,))}}
   with pytest.raises(ValueError, match=rf"{name}: the {arg} tree "

@@ -115,17 +115,22 @@ def add_decayed_weights(where: str, weight_decay, mask: MaskOrFn = None,
     return tx
 
   def init_fn(params):
-    tree = mask(params) if callable(mask) else mask
-    try:
-      jax.tree.map(lambda *_: None, tree, params)
-    except (ValueError, TypeError) as e:
-      raise ValueError(
-          f'{where}: the {name} tree {jax.tree.structure(tree)} is not a '
-          f'prefix of the params {jax.tree.structure(params)}.'
-      ) from e
+    check_prefix(where, name, mask(params) if callable(mask) else mask,
+                 params)
     return tx.init(params)
 
   return optax.GradientTransformation(init_fn, tx.update)
+
+
+def check_prefix(where: str, name: str, prefix, tree, is_leaf=None) -> None:
+  """Raises ValueError, naming `name` and both structures, unless the
+  optax-style mask tree `prefix` is a tree prefix of `tree`."""
+  try:
+    jax.tree.map(lambda *_: None, prefix, tree, is_leaf=is_leaf)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        f'{where}: the {name} tree {jax.tree.structure(prefix)} is not a '
+        f'prefix of the params {jax.tree.structure(tree)}.') from e
 
 
 def bias_corrections(count, b1, b2) -> tuple:

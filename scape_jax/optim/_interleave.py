@@ -98,14 +98,10 @@ def interleave_chunks(
 
     if chosen is None:
       return subtree(tree)
-    try:
-      return jax.tree.map(lambda c, sub: subtree(sub) if c else sub, chosen,
-                          tree,
-                          is_leaf=lambda x: isinstance(x, optax.MaskedNode))
-    except (ValueError, TypeError) as e:
-      raise ValueError(
-          f'{where}: the mask tree {jax.tree.structure(chosen)} is not a '
-          f'prefix of the tree {jax.tree.structure(tree)}.') from e
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+    _common.check_prefix(where, 'mask', chosen, tree, masked)
+    return jax.tree.map(lambda c, sub: subtree(sub) if c else sub, chosen,
+                        tree, is_leaf=masked)
 
   def init_fn(params):
     return tx.init(order('interleave_chunks init', params, interleave))
