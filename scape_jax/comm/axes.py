@@ -31,3 +31,29 @@ MESH_AXES = (REPLICA, DATA, NODE, FSDP, TENSOR)
 # hierarchical gather's first, inter-node, step).
 FSDP_AXES = (FSDP, NODE)
 BATCH_AXES = (REPLICA, DATA, NODE, FSDP)  # the batch dimension is split over these
+
+
+def axis_names(axis_name, *, containers: tuple = (tuple, list),
+               allow_empty: bool = True, where: str = '') -> tuple:
+  """The mesh axes `axis_name` names, as a tuple of str (None: ()).
+
+  Args:
+    axis_name: None, one axis name (str), or one of `containers` of them.
+    containers: the sequence types taken as several axes.
+    allow_empty: whether an empty sequence (no axis) is taken.
+    where: the caller, for the error message.
+
+  Raises:
+    ValueError naming `axis_name` for any other value.
+  """
+  if axis_name is None:
+    return ()
+  names = ((axis_name,) if isinstance(axis_name, str) else
+           tuple(axis_name) if isinstance(axis_name, containers) else None)
+  if (names is None or not all(isinstance(n, str) for n in names)
+      or not (names or allow_empty)):
+    kind = 'tuple' if tuple(containers) == (tuple,) else 'sequence'
+    raise ValueError(f'{where + ": " if where else ""}axis_name='
+                     f'{axis_name!r} must be None, a mesh axis name (str) '
+                     f'or a {kind} of them.')
+  return names

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from scape_jax.comm.axes import DATA
+from scape_jax.comm.axes import DATA, axis_names
 
 try:  # jax >= 0.7: an all-gather whose result is typed invariant over the axis.
   from jax._src.lax.parallel import all_gather_invariant as _agi
@@ -19,20 +19,6 @@ except ImportError:  # pragma: no cover - older JAX has no varying types.
   _agi = None
 
 AxisNames = Union[None, str, Sequence[str]]
-
-
-def _axes(axis_names: AxisNames) -> tuple:
-  """The mesh axes as a tuple of str (None: none); any other value is a
-  ValueError naming it."""
-  if axis_names is None:
-    return ()
-  axes = ((axis_names,) if isinstance(axis_names, str) else
-          tuple(axis_names) if isinstance(axis_names, (tuple, list)) else
-          None)
-  if axes is None or not all(isinstance(a, str) for a in axes):
-    raise ValueError(f'axis_name={axis_names!r} must be None, a mesh axis '
-                     'name (str) or a sequence of them.')
-  return axes
 
 
 def all_gather_invariant(x, axis_name):
@@ -57,7 +43,8 @@ def varying(x, axis_name: AxisNames):
   shard_map types every value as varying or invariant over each mesh axis;
   this casts to varying over the given axes it is not varying over yet.
   """
-  missing = tuple(a for a in _axes(axis_name) if a not in _varying_axes(x))
+  missing = tuple(a for a in axis_names(axis_name)
+                  if a not in _varying_axes(x))
   if not missing:
     return x
   return jax.lax.pcast(x, missing if len(missing) > 1 else missing[0],
@@ -79,7 +66,7 @@ def pmean_gradients(axis_name: AxisNames = DATA
   Returns:
     A stateless `optax.GradientTransformation`.
   """
-  axes = _axes(axis_name)
+  axes = axis_names(axis_name)
 
   def update_fn(updates, state, params=None):
     del params
@@ -100,7 +87,7 @@ def global_norm(tree, sharded_axes: AxisNames = None,
   (replicated) is counted once. So call it on values that no longer vary for
   any other reason, e.g. gradients after the data-parallel exchange.
   """
-  axes = _axes(sharded_axes)
+  axes = axis_names(sharded_axes)
   groups = {}
   for leaf in jax.tree.leaves(tree):
     key = tuple(a for a in axes if a in _varying_axes(leaf))
@@ -127,7 +114,7 @@ def clip_by_global_norm(max_norm: float, sharded_axes: AxisNames = None
   Returns:
     A stateless `optax.GradientTransformation`.
   """
-  if not _axes(sharded_axes):
+  if not axis_names(sharded_axes):
     return optax.clip_by_global_norm(max_norm)
 
   def update_fn(updates, state, params=None):

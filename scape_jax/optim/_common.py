@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from scape_jax.comm import masks, topk
+from scape_jax.comm import axes, masks, topk
 from scape_jax.comm.collectives import varying
 
 B1 = 0.9  # Decay rate of the first moment.
@@ -194,12 +194,10 @@ def axis_context(where: str, axis_name: Union[None, str, tuple]) -> tuple:
     axis_name: the data-parallel mesh axis (or a tuple of axes, flattened),
       or None for a single worker.
   """
-  if axis_name is None:
+  names = axes.axis_names(axis_name, containers=(tuple,), allow_empty=False,
+                         where=where)
+  if not names:
     return 1, True
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  if not names or not all(isinstance(n, str) for n in names):
-    raise ValueError(f'{where}: axis_name={axis_name!r} must be None, a mesh '
-                     'axis name (str) or a tuple of them.')
   try:
     return jax.lax.axis_size(axis_name), True
   except NameError:
