@@ -250,3 +250,13 @@ def test_compress_except_leaves_the_named_leaves_dense():
   with pytest.raises(ValueError, match=r"scape: \['x'\] match no parameter "
                      r"path; the paths are \[\"\['b'\]\""):
     scape_jax.compress_except(['w', 'x'], 'scape')(params)
+
+
+@pytest.mark.parametrize('parts', [None, 3, [3], ('w', None), {'w': 1}])
+def test_compress_except_refuses_parts_that_are_not_strings(parts):
+  """A str or a list or tuple of str; anything else named (None and 3 were
+  'object is not iterable', [3] "'int' object has no attribute 'strip'",
+  and a dict's keys were taken as the parts)."""
+  with pytest.raises(ValueError, match=r'compress_except: parts=.* must be a '
+                     r'str or a list or tuple of str'):
+    scape_jax.compress_except(parts)

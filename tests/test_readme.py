@@ -87,3 +87,30 @@ def test_init_sharded_names_a_bad_axis():
   with pytest.raises(ValueError, match="axis_name='dp' is not an axis"):
     scape_jax.init_sharded(scape_jax.scape(1e-3, density=0.1, axis_name='dp'),
                            {'w': jnp.ones(4)}, _mesh(), axis_name='dp')
+
+
+def test_the_placement_helpers_name_a_bad_mesh_or_axis():
+  """A mesh that is not a Mesh, and an axis name the mesh lacks or of
+  another type, are refused by name (mesh=None was 'NoneType object has no
+  attribute axis_names' or a device_put TypeError; state_partition_specs
+  took axis_name=3 into P(3) and state_shardings 'dp' into a JAX error)."""
+  params = {'w': jnp.ones((8, 4))}
+  tx = scape_jax.scape(1e-3, density=0.5)
+  state, _ = scape_jax.init_sharded(tx, params, _mesh())
+  for call in (lambda: scape_jax.init_sharded(tx, params, None),
+               lambda: scape_jax.place(params, 'data'),
+               lambda: scape_jax.state_shardings(state, None)):
+    with pytest.raises(ValueError, match=r'mesh=.* must be a '
+                       r'jax.sharding.Mesh'):
+      call()
+  with pytest.raises(ValueError, match=r"state_shardings: axis_name='dp' is "
+                     r'not an axis'):
+    scape_jax.state_shardings(state, _mesh(), 'dp')
+  with pytest.raises(ValueError, match=r'state_partition_specs: axis_name=3 '
+                     r'must be None, a mesh axis name \(str\) or a tuple'):
+    scape_jax.state_partition_specs(state, 3)
+  # None: per-worker fields not split, as before.
+  specs = scape_jax.state_partition_specs(state, None)
+  assert specs[0].residual['w'] == P(None)
+  assert scape_jax.state_shardings(state, _mesh(), None)[0].residual[
+      'w'].spec == P(None)

@@ -293,8 +293,14 @@ def leaves_named(parts: Union[str, Sequence[str]], where: str):
   """A callable tree -> tree of bools: True where the leaf's path
   (`jax.tree_util.keystr`) contains one of `parts`; None if `parts` holds no
   non-empty string. A part that matches no leaf is a ValueError naming it
-  and `where`. A str is one part, not a sequence of one-letter parts."""
-  parts = [parts] if isinstance(parts, str) else parts
+  and `where`. A str is one part, not a sequence of one-letter parts;
+  anything but a str or a list or tuple of str is a ValueError."""
+  if isinstance(parts, str):
+    parts = [parts]
+  elif not (isinstance(parts, (list, tuple))
+            and all(isinstance(p, str) for p in parts)):
+    raise ValueError(f'{where}: parts={parts!r} must be a str or a list or '
+                     'tuple of str (parts of parameter paths).')
   parts = [p.strip() for p in parts if p.strip()]
   if not parts:
     return None

@@ -19,7 +19,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from scape_jax.sharding.mesh import DATA
+from scape_jax.sharding.mesh import DATA, check_data_axis, check_mesh
 from scape_jax.sharding.specs import state_partition_specs
 
 DEVICE = 'device'
@@ -87,7 +87,8 @@ def state_shardings(opt_state: Any, mesh: jax.sharding.Mesh,
   Args:
     opt_state: the state as `tx.init` returns it outside `shard_map`.
     mesh: the device mesh.
-    axis_name: the data-parallel axis.
+    axis_name: the data-parallel axis (an axis of `mesh` or a tuple of
+      them), or None: per-worker fields not split.
     params: the (abstract) parameters, with `param_specs`: see
       `state_partition_specs`.
     param_specs: the parameters' PartitionSpecs.
@@ -98,8 +99,12 @@ def state_shardings(opt_state: Any, mesh: jax.sharding.Mesh,
     A tree of `NamedSharding`s with the structure of `opt_state`.
 
   Raises:
-    ValueError: `offload` is a memory kind the mesh's devices lack.
+    ValueError: `mesh` is not a Mesh with `axis_name`, or `offload` is a
+      memory kind the mesh's devices lack.
   """
+  check_mesh('state_shardings', mesh)
+  if axis_name is not None:  # None: per-worker fields not split
+    check_data_axis('state_shardings', mesh, axis_name)
   specs = state_partition_specs(opt_state, axis_name, params=params,
                                 param_specs=param_specs)
   is_spec = lambda x: isinstance(x, P)

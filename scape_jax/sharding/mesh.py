@@ -21,6 +21,7 @@ from scape_jax.comm.axes import MESH_AXES
 from scape_jax.comm.axes import NODE
 from scape_jax.comm.axes import REPLICA
 from scape_jax.comm.axes import TENSOR
+from scape_jax.comm.axes import axis_names
 
 
 def make_mesh(*, replica: int = 1, data: int = -1, fsdp: int = 1,
@@ -100,6 +101,25 @@ def node_problem(grid, host: Callable[[Any], Any]) -> Optional[str]:
                 f'data {d} are on one host; the node axis must cross hosts')
       seen[h] = n
   return None
+
+
+def check_mesh(where: str, mesh: Any) -> None:
+  """Raises ValueError naming `mesh` unless it is a `jax.sharding.Mesh`."""
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise ValueError(f'{where}: mesh={mesh!r} must be a jax.sharding.Mesh '
+                     '(scape_jax.sharding.make_mesh builds one).')
+
+
+def check_data_axis(where: str, mesh: jax.sharding.Mesh, axis_name) -> None:
+  """Raises ValueError unless `mesh` is a Mesh and `axis_name` one of its
+  axes or a tuple of them (one flat data-parallel axis), naming both."""
+  check_mesh(where, mesh)
+  names = axis_names(axis_name, containers=(tuple,), allow_empty=False,
+                     where=where)
+  if not names or any(n not in mesh.axis_names for n in names):
+    raise ValueError(f'{where}: axis_name={axis_name!r} is not an axis (or '
+                     'a tuple of axes) of the mesh; its axes: '
+                     f'{mesh.axis_names}')
 
 
 def axis_size(mesh: jax.sharding.Mesh, name: str) -> int:

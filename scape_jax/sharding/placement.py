@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from scape_jax.sharding.memory import state_shardings
-from scape_jax.sharding.mesh import DATA
+from scape_jax.sharding.mesh import DATA, check_data_axis, check_mesh
 from scape_jax.sharding.specs import state_partition_specs
 
 
@@ -36,6 +36,7 @@ def place(tree: Any, mesh: jax.sharding.Mesh, specs: Any = P()) -> Any:
   Returns:
     `tree` with every leaf a `jax.Array` sharded on `mesh`.
   """
+  check_mesh('place', mesh)
   return jax.device_put(tree, _shardings(mesh, specs))
 
 
@@ -65,10 +66,7 @@ def init_sharded(tx: optax.GradientTransformation, params: Any,
     `(opt_state, specs)`: pass `specs` as the state's `in_specs` and
     `out_specs` of `jax.shard_map`.
   """
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  if not names or any(n not in mesh.axis_names for n in names):
-    raise ValueError(f'axis_name={axis_name!r} is not an axis (or a tuple '
-                     f'of axes) of the mesh; its axes: {mesh.axis_names}')
+  check_data_axis('init_sharded', mesh, axis_name)
   with jax.set_mesh(mesh):
     shapes = jax.eval_shape(tx.init, params)
   specs = state_partition_specs(shapes, axis_name, params=params,

@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 import jax
 from jax.sharding import PartitionSpec as P
 
+from scape_jax.comm.axes import axis_names
 from scape_jax.sharding.mesh import DATA, FSDP, FSDP_AXES, NODE, REPLICA
 
 # Logical axis -> mesh axes under the fsdp layout: every weight is split over
@@ -96,7 +97,8 @@ def state_partition_specs(opt_state, axis_name: Optional[str] = DATA, *,
 
   Args:
     opt_state: the state, as `tx.init` returns it outside `shard_map`.
-    axis_name: the data-parallel axis that per-worker fields are split over.
+    axis_name: the data-parallel axis that per-worker fields are split over
+      (a str, a tuple of them, or None: not split).
     params: the (abstract) parameters; with `param_specs`, subtrees of the
       state shaped like them get `param_specs`.
     param_specs: the parameters' PartitionSpecs.
@@ -105,9 +107,12 @@ def state_partition_specs(opt_state, axis_name: Optional[str] = DATA, *,
     A tree of PartitionSpecs with the structure of `opt_state`.
 
   Raises:
-    ValueError: `param_specs` shards a parameter and the state has
+    ValueError: `axis_name` is not None, a str or a tuple of str, or
+      `param_specs` shards a parameter and the state has
       per-worker fields (SCAPE's residual and masks, Radius's, DeMo's).
   """
+  axis_names(axis_name, containers=(tuple,), allow_empty=False,
+             where='state_partition_specs')
   ptree = None if params is None else jax.tree.structure(params)
   pshapes = None if params is None else _shapes(params)
 
