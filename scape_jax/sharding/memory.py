@@ -102,8 +102,9 @@ def state_shardings(opt_state: Any, mesh: jax.sharding.Mesh,
     ValueError: `mesh` is not a Mesh with `axis_name`, or `offload` is a
       memory kind the mesh's devices lack.
   """
-  check_mesh('state_shardings', mesh)
-  if axis_name is not None:  # None: per-worker fields not split
+  if axis_name is None:  # per-worker fields not split
+    check_mesh('state_shardings', mesh)
+  else:
     check_data_axis('state_shardings', mesh, axis_name)
   specs = state_partition_specs(opt_state, axis_name, params=params,
                                 param_specs=param_specs)
