@@ -25,7 +25,9 @@ the selection of the next mask alone, over every compressed leaf: with
 the default `select` of `comm.topk.chunk_topk_words`, for N=1 and for one of
 N=32 workers (its chunk 0, 1/32 of every leaf), the latter also as a ratio
 to adamw's full update (rows with another `--selects` entry: that select
-alone). It reports every compiled update's
+alone). Each selection is timed like the updates, `--repeats` samples of
+`--number` calls, in turn with adamw's update in its own loop, and the ratio
+is of the two medians of that loop. It reports every compiled update's
 `memory_analysis().temp_size_in_bytes` (also in units of the fp32 tree),
 and for SCAPE that of the same update with select='sort' beside it.
 
@@ -51,7 +53,7 @@ import os
 import statistics
 import sys
 import time
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -168,10 +170,19 @@ SELECTIONS = {'topk': 'lax.top_k', 'select': 'comm.topk default select'}
 
 
 def selection_seconds(params, density: float, n: int, how: str,
-                      select: str = 'auto') -> float:
+                      select: str, adamw: 'Prepared', grads, repeats: int,
+                      number: int) -> Tuple[float, Optional[float]]:
   """Time of one worker's next-mask selection alone, over every compressed
   leaf (ndim >= 2), its chunk 0 of the layout over `n` workers; `how` is a
-  key of SELECTIONS ('select': with `select`)."""
+  key of SELECTIONS ('select': with `select`).
+
+  Returns (seconds per selection call, seconds per call of `adamw`'s
+  update): the medians of `repeats` samples of `number` calls each, the
+  selection and the update timed in turn in one loop, as the updates are
+  (`interleaved_times`), so that their ratio is side by side. A selection
+  whose first call, its compile included, takes over 5 s (`lax.top_k` of
+  whole leaves on a CPU) is timed by one more call alone: (seconds, None).
+  """
   leaves = [x for x in jax.tree.leaves(params) if x.ndim >= 2]
   layouts = [masks.LeafLayout.create(x.size, n) for x in leaves]
   ks = [masks.chunk_k(density, layout.chunk_size) for layout in layouts]
@@ -190,13 +201,15 @@ def selection_seconds(params, density: float, n: int, how: str,
   run = jax.jit(selected)
   t0 = time.perf_counter()
   jax.block_until_ready(run(leaves))  # Compile (and run once).
-  number = 3 if time.perf_counter() - t0 < 5 else 1
-  times = []
-  for _ in range(number):
+  if time.perf_counter() - t0 > 5:
     t0 = time.perf_counter()
     jax.block_until_ready(run(leaves))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+    return time.perf_counter() - t0, None
+  jax.block_until_ready(run(leaves))  # A warm-up call, as `prepare` makes.
+  alone = Prepared(lambda grads, state, params: run(state), leaves, 0.0, 0)
+  times = interleaved_times({'select': alone, 'adamw': adamw}, grads, params,
+                            repeats, number)
+  return statistics.median(times['select']), statistics.median(times['adamw'])
 
 
 def nbytes(tree) -> int:
@@ -344,24 +357,23 @@ def bench_tree(name: str, densities, repeats=None, number=None,
         'number': number,
         'state_bytes': nbytes(state), 'temp_bytes': temps,
         'temp_vs_fp32_tree': temps / (4 * n_params), 'temp_bytes_sort': None,
-        'compile_s': compile_s, 'select_N32_vs_adamw': None}
+        'compile_s': compile_s, 'select_N32_adamw_ms': None,
+        'select_N32_vs_adamw': None}
     row.update({f'{how}_ms_N{n}': None for how in SELECTIONS for n in (1, 32)})
     # Donated rows: the selection and the temporaries are the plain row's.
-    sparse = (not p.donated and method.density is not None and
-              method.density < 1)
-    if sparse and method.select == 'auto':
-      row['temp_bytes_sort'] = temp_bytes(scape(method.density, 'sort'),
-                                          method.kwargs, params, grads)
-      for how in SELECTIONS:
-        for n in (1, 32):
-          row[f'{how}_ms_N{n}'] = 1e3 * selection_seconds(
-              params, method.density, n, how)
-      row['select_N32_vs_adamw'] = row['select_ms_N32'] / (1e3 * base)
-    elif sparse:
-      for n in (1, 32):  # this row's select alone
-        row[f'select_ms_N{n}'] = 1e3 * selection_seconds(
-            params, method.density, n, 'select', method.select)
-      row['select_N32_vs_adamw'] = row['select_ms_N32'] / (1e3 * base)
+    if not p.donated and method.density is not None and method.density < 1:
+      if method.select == 'auto':
+        row['temp_bytes_sort'] = temp_bytes(scape(method.density, 'sort'),
+                                            method.kwargs, params, grads)
+      for how in SELECTIONS if method.select == 'auto' else ['select']:
+        for n in (1, 32):  # with 'select': this row's select alone
+          alone, beside = selection_seconds(
+              params, method.density, n, how, method.select,
+              prepared['optax.adamw'], grads, repeats, number)
+          row[f'{how}_ms_N{n}'] = 1e3 * alone
+          if how == 'select' and n == 32:
+            row['select_N32_adamw_ms'] = 1e3 * (beside or base)
+            row['select_N32_vs_adamw'] = alone / (beside or base)
     rows.append(row)
     print_row(row)
   return rows
