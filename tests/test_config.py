@@ -181,6 +181,16 @@ def test_cudnn_attention_needs_bfloat16():
 _OUTER = ['--config.mesh.replica=2', '--config.mesh.data=4']
 
 
+@pytest.mark.parametrize('steps', [0, -3])
+@pytest.mark.parametrize('method', [[], ['--config.optimizer.name=pier',
+                                         *_OUTER]])
+def test_bad_steps_is_one_error_not_one_per_method(steps, method):
+  with pytest.raises(config.ConfigError) as err:
+    config.load(None, [f'--config.steps={steps}', *method])
+  assert str(err.value) == (f'invalid config:\n  steps must be > 0, got '
+                            f'{steps}')
+
+
 @pytest.mark.parametrize('overrides,match', [
     (['--config.optimizer.eps=1e-50'], r'eps=1e-50 must be .*>= 1.18e-38'),
     (['--config.optimizer.name=radius', '--config.steps=150'],

@@ -407,14 +407,18 @@ def _optimizer_problems(cfg: Config) -> list[str]:
                       'weight_decay', o.weight_decay)
   if problems:
     return problems
+  # steps < 1 is reported by _problems, once; not again by each method that
+  # derives a schedule from it.
+  steps = max(cfg.steps, 1)
   for name, spec in methods.REGISTRY.items():
     if name == o.name or spec.section is not None:  # every own key checked
       selected = dataclasses.replace(o, name=name)
       problems += [f'optimizer.{name}: {message}' for message in
-                   _raised(methods.build, selected, cfg.steps)]
+                   _raised(methods.build, selected, steps)]
   if problems:
     return problems
-  problems += methods.no_effect(o, cfg.steps)
+  if cfg.steps >= 1:  # what has no effect in a run of that many steps
+    problems += methods.no_effect(o, cfg.steps)
   fp32_replica = any(spec.name == 'scape' and section.fp32_replica
                      for spec, section in methods.selected(o))
   if fp32_replica and cfg.model.param_dtype == 'float32':
