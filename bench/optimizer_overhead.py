@@ -371,8 +371,9 @@ def bench_tree(name: str, densities, repeats=None, number=None,
               prepared['optax.adamw'], grads, repeats, number)
           row[f'{how}_ms_N{n}'] = 1e3 * alone
           if how == 'select' and n == 32:
-            row['select_N32_adamw_ms'] = 1e3 * (beside or base)
-            row['select_N32_vs_adamw'] = alone / (beside or base)
+            adamw_s = beside or base  # None: the table's adamw median
+            row['select_N32_adamw_ms'] = 1e3 * adamw_s
+            row['select_N32_vs_adamw'] = alone / adamw_s
     rows.append(row)
     print_row(row)
   return rows
