@@ -105,6 +105,33 @@ def test_a_negative_weight_decay_is_refused_by_name(name):
     tx.update(params, tx.init(params), params)
 
 
+@pytest.mark.parametrize('name', ['adams', 'scape', 'scape_dist', 'radius',
+                                  'demo'])
+def test_a_bad_learning_rate_is_refused_by_name(name):
+  """A learning rate that is not a number >= 0 or a schedule is refused when
+  the alias is built: a string raised 'Only integer scalar arrays ...' at
+  the first update, a list a bare TypeError, and a negative rate climbed the
+  loss. Numbers, scalar arrays, schedules and None (optax: no scaling) build;
+  the first three step like optax.adamw's scaled direction does."""
+  extra = {'density': 0.25} if name in ('scape', 'scape_dist', 'radius') else {}
+  extra.update({} if name == 'adams' else {'axis_name': None})
+  make = getattr(scape_jax, name)
+  for bad in ('1e-3', [1e-3], True, jnp.ones(2), -1e-3, float('nan')):
+    with pytest.raises(ValueError, match=rf'^{name}: learning_rate=.* must '
+                       r'be a finite number >= 0, or an optax schedule \(a '
+                       r'callable of the step\)\.$'):
+      make(bad, **extra)
+  params = {'w': jnp.ones((16, 8))}
+  steps = {}
+  for lr in (1e-2, jnp.float32(1e-2), lambda count: 1e-2, None):
+    tx = make(lr, **extra)
+    steps[type(lr).__name__] = tx.update(params, tx.init(params), params)[0]
+  for kind in ('ArrayImpl', 'function'):
+    np.testing.assert_array_equal(steps[kind]['w'], steps['float']['w'])
+  np.testing.assert_allclose(steps['NoneType']['w'] * -1e-2,
+                             steps['float']['w'], rtol=1e-6)
+
+
 @pytest.mark.parametrize('name', ['adams', 'scape', 'scape_dist', 'demo'])
 def test_a_weight_decay_mask_of_other_leaves_is_refused_by_name(name):
   """A weight-decay mask that is not a prefix of the params names itself and

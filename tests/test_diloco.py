@@ -233,14 +233,43 @@ def test_single_process_use_without_shard_map():
 @pytest.mark.parametrize('kwargs, message', [
     (dict(sync_every=0), r'sync_every=0 must be an integer >= 1'),
     (dict(sync_every=2, outer_momentum=1.0), r'outer_momentum=1.0 must be in'),
-    (dict(sync_every=2, outer_lr=-1.0), r'outer_lr=-1.0 must be > 0'),
-    (dict(sync_every=2, outer_lr=0.0), r'outer_lr=0.0 must be > 0 \(0 resets'),
+    (dict(sync_every=2, outer_lr=-1.0),
+     r'outer_lr=-1.0 must be finite and > 0'),
+    (dict(sync_every=2, outer_lr=0.0),
+     r'outer_lr=0.0 must be finite and > 0 \(0 resets'),
+    # Not numbers: a string passed float() before, None raised TypeError.
+    (dict(sync_every=2, outer_lr='0.7'), r"outer_lr='0.7' must be finite "
+     r'and > 0 \(0 resets .*\), or an optax schedule'),
+    (dict(sync_every=2, outer_momentum=None),
+     r'outer_momentum=None must be in \[0, 1\), or an optax schedule'),
+    (dict(sync_every=2, outer_lr=float('inf')), r'outer_lr=inf must be finite'),
     (dict(sync_every=2, lazy_steps=3), r'lazy_steps=3 needs the lazy-start'),
     (dict(sync_every=2.0), r'sync_every=2.0 must be an integer >= 1'),
 ])
 def test_bad_diloco_arguments(kwargs, message):
   with pytest.raises(ValueError, match=message):
     outer.diloco(optax.sgd(0.1), **kwargs)
+
+
+@pytest.mark.parametrize('kwargs', [dict(inner=None),
+                                    dict(lazy=lambda p: p, lazy_steps=2)])
+def test_an_inner_method_that_is_no_transformation_is_named(kwargs):
+  """diloco(None, ...) raised AttributeError ('NoneType' ... 'init') from
+  optax's wrapper; a lazy start that is a bare function, likewise."""
+  name = next(iter(kwargs))
+  args = {'inner': optax.sgd(0.1), 'sync_every': 2, **kwargs}
+  with pytest.raises(TypeError, match=rf'^diloco: {name}=.* must be an optax '
+                     r'GradientTransformation \(with init and update\)'):
+    outer.diloco(**args)
+
+
+@pytest.mark.parametrize('inner, lazy, name', [
+    (None, optax.sgd(0.1), 'inner'), (optax.sgd(0.1), optax.sgd, 'lazy')])
+def test_pier_names_an_inner_method_that_is_no_transformation(inner, lazy,
+                                                              name):
+  with pytest.raises(TypeError, match=rf'^pier: {name}=.* must be an optax '
+                     r'GradientTransformation'):
+    outer.pier(inner, lazy, 100, 4)
 
 
 def test_numpy_integers_are_integers():
@@ -259,7 +288,8 @@ def test_pier_names_a_bad_total_steps():
 
 @pytest.mark.parametrize('kwargs, message', [
     (dict(sync_every=0), r'^pier: sync_every=0 must be an integer >= 1'),
-    (dict(sync_every=4, outer_lr=0.0), r'^pier: outer_lr=0.0 must be > 0'),
+    (dict(sync_every=4, outer_lr=0.0),
+     r'^pier: outer_lr=0.0 must be finite and > 0'),
     (dict(sync_every=4, outer_momentum=1.0),
      r'^pier: outer_momentum=1.0 must be in \[0, 1\)'),
     (dict(sync_every=4, warmup_momentum=-0.5),

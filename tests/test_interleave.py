@@ -133,6 +133,18 @@ def test_interleave_chunks_needs_a_bound_axis():
     tx.update({'w': jnp.ones((4, 4))}, optax.EmptyState())
 
 
+@pytest.mark.parametrize('wrap, where', [
+    (scape_jax.interleave_chunks, 'interleave_chunks'),
+    (scape_jax.with_fp32_replica, 'with_fp32_replica')])
+@pytest.mark.parametrize('tx', [None, optax.adam], ids=['None', 'factory'])
+def test_a_wrapped_method_that_is_no_transformation_is_named(wrap, where, tx):
+  """None, or optax.adam itself instead of optax.adam(lr), raised
+  AttributeError ('... has no attribute init') from optax's wrapper."""
+  with pytest.raises(TypeError, match=rf'^{where}: tx=.* must be an optax '
+                     r'GradientTransformation \(with init and update\)\.$'):
+    wrap(tx)
+
+
 def test_a_mask_that_is_not_a_prefix_of_the_params_is_refused_by_name():
   """A mask tree of other keys names the mask and both structures (it was
   JAX's bare 'pytree structure error')."""

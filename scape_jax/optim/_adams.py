@@ -99,7 +99,8 @@ def adams(
   """AdamS with decoupled weight decay: `w -= lr * (u + weight_decay * w)`.
 
   Args:
-    learning_rate: a float or an optax schedule.
+    learning_rate: a float >= 0 or an optax schedule (None: no scaling, as
+      in optax).
     b1: decay rate of the first moment.
     b2: weight of the previous first moment squared in the preconditioner.
     eps: term added to the denominator for numerical stability.
@@ -118,5 +119,5 @@ def adams(
   return optax.chain(
       scale_by_adams(b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype),
       _common.add_decayed_weights('adams', weight_decay, mask, 'mask'),
-      optax.scale_by_learning_rate(learning_rate),
+      _common.scale_by_learning_rate('adams', learning_rate),
   )

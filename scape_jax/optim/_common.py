@@ -7,6 +7,7 @@ Defaults follow the SCAPE paper's Llama-500M run (design note, section 1).
 
 import functools
 import math
+import numbers
 from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
@@ -43,6 +44,51 @@ def _check(where: str, name: str, value, ok, allowed: str) -> None:
     number = math.nan
   if not (math.isfinite(number) and ok(number)):
     raise ValueError(f'{where}: {name}={value!r} must be {allowed}.')
+
+
+def is_number(value) -> bool:
+  """Whether `value` is a real scalar: a Python or NumPy number (not a bool
+  or a string) or a scalar array of an integer or float dtype (traced ones
+  included, as `optax.inject_hyperparams` passes them)."""
+  if isinstance(value, (bool, np.bool_, str, bytes)):
+    return False
+  if isinstance(value, numbers.Real):
+    return True
+  dtype = getattr(value, 'dtype', None)
+  return (getattr(value, 'shape', None) == () and dtype is not None
+          and (jnp.issubdtype(dtype, jnp.floating)
+               or jnp.issubdtype(dtype, jnp.integer)))
+
+
+def check_scalar_or_schedule(where: str, name: str, value, ok,
+                             allowed: str) -> None:
+  """Raises ValueError unless `value` is a schedule (a callable of the step)
+  or a number with `ok(float(value))` (traced numbers pass)."""
+  if callable(value):
+    return
+  allowed = f'{allowed}, or an optax schedule (a callable of the step)'
+  if not is_number(value):
+    raise ValueError(f'{where}: {name}={value!r} must be {allowed}.')
+  _check(where, name, value, ok, allowed)
+
+
+def scale_by_learning_rate(where: str, learning_rate: ScalarOrSchedule
+                           ) -> optax.GradientTransformation:
+  """`optax.scale_by_learning_rate` of a checked learning rate: a number
+  >= 0, a schedule, or None (no scaling, as in optax)."""
+  if learning_rate is not None:
+    check_scalar_or_schedule(where, 'learning_rate', learning_rate,
+                             lambda x: x >= 0.0, 'a finite number >= 0')
+  return optax.scale_by_learning_rate(learning_rate)
+
+
+def check_transformation(where: str, name: str, tx) -> None:
+  """Raises TypeError unless `tx` has callable `init` and `update`, as an
+  `optax.GradientTransformation` has."""
+  if not (callable(getattr(tx, 'init', None))
+          and callable(getattr(tx, 'update', None))):
+    raise TypeError(f'{where}: {name}={tx!r} must be an optax '
+                    'GradientTransformation (with init and update).')
 
 
 def check_betas(where: str, b1: float, b2: float) -> None:

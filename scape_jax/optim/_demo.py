@@ -388,7 +388,8 @@ def demo(
   gradients; it performs the exchange itself.
 
   Args:
-    learning_rate: a float or an optax schedule.
+    learning_rate: a float >= 0 or an optax schedule (None: no scaling, as
+      in optax).
     beta, chunk, topk, axis_name: see `scale_by_demo`.
     weight_decay: decoupled weight-decay strength, >= 0.
     weight_decay_mask: optional tree or callable of bools selecting the leaves
@@ -404,7 +405,7 @@ def demo(
       scale_by_demo(beta, chunk, topk, axis_name=axis_name),
       _common.add_decayed_weights('demo', weight_decay,
                                   weight_decay_mask),
-      optax.scale_by_learning_rate(learning_rate),
+      _common.scale_by_learning_rate('demo', learning_rate),
   )
 
 

@@ -87,6 +87,7 @@ def interleave_chunks(
     SCAPE paper, Section IV-A (the partitioned mask); docs/design.md,
     "Interleaved chunks".
   """
+  _common.check_transformation('interleave_chunks', 'tx', tx)
   tx = optax.with_extra_args_support(tx)
 
   def order(where, tree, fn):

@@ -465,7 +465,8 @@ def radius(
   `static_args=('density', 'interval', 'threshold', 'index_radius')`.
 
   Args:
-    learning_rate: a float or an optax schedule.
+    learning_rate: a float >= 0 or an optax schedule (None: no scaling, as
+      in optax).
     density, interval, threshold, index_radius, b1, b2, eps, weight_decay,
       weight_decay_mask, clip_norm, axis_name, compress, select: see
       `scale_by_radius`.
@@ -484,7 +485,7 @@ def radius(
                       weight_decay_mask=weight_decay_mask,
                       clip_norm=clip_norm, axis_name=axis_name,
                       compress=compress, select=select),
-      optax.scale_by_learning_rate(learning_rate),
+      _common.scale_by_learning_rate('radius', learning_rate),
   )
 
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from scape_jax.optim import _common
 from scape_jax.optim import _memory
 
 
@@ -52,6 +53,7 @@ def with_fp32_replica(
   References:
     SCAPE paper, Algorithm 2 (the FP32 copy) and Section IV-D.
   """
+  _common.check_transformation('with_fp32_replica', 'tx', tx)
   tx = optax.with_extra_args_support(tx)
 
   def init_fn(params):

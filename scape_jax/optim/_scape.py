@@ -510,7 +510,8 @@ def scape(
   `static_args=('density', 'density_warmup_steps')`.
 
   Args:
-    learning_rate: a float or an optax schedule.
+    learning_rate: a float >= 0 or an optax schedule (None: no scaling, as
+      in optax).
     density: fraction of each compressed leaf sent per step, in (0, 1], or a
       `DensitySchedule`.
     b1, b2, eps, clip_norm, axis_name, compress, density_warmup_steps,
@@ -535,7 +536,7 @@ def scape(
                      variant=variant),
       _common.add_decayed_weights('scape', weight_decay,
                                   weight_decay_mask),
-      optax.scale_by_learning_rate(learning_rate),
+      _common.scale_by_learning_rate('scape', learning_rate),
   )
 
 

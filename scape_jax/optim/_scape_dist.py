@@ -348,7 +348,7 @@ def scape_dist(
                           mask_encoding=mask_encoding, select=select),
       _common.add_decayed_weights('scape_dist', weight_decay,
                                   weight_decay_mask),
-      optax.scale_by_learning_rate(learning_rate),
+      _common.scale_by_learning_rate('scape_dist', learning_rate),
   )
 
 

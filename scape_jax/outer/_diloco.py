@@ -244,20 +244,13 @@ def _phase_fn(o: _Outer, phase: str):
 def check_outer_hypers(where: str, outer_lr, outer_momentum,
                        warmup_momentum) -> None:
   """Raises ValueError for an outer lr <= 0 or a momentum outside [0, 1)."""
-  _check_hyper(where, 'outer_lr', outer_lr, lambda x: x > 0,
-               '> 0 (0 resets every sync to the old model)')
-  _check_hyper(where, 'outer_momentum', outer_momentum, lambda x: 0 <= x < 1,
-               'in [0, 1)')
+  check = functools.partial(_common.check_scalar_or_schedule, where)
+  check('outer_lr', outer_lr, lambda x: x > 0,
+        'finite and > 0 (0 resets every sync to the old model)')
+  check('outer_momentum', outer_momentum, lambda x: 0 <= x < 1, 'in [0, 1)')
   if warmup_momentum is not None:
-    _check_hyper(where, 'warmup_momentum', warmup_momentum,
-                 lambda x: 0 <= x < 1, 'in [0, 1)')
-
-
-def _check_hyper(where: str, name: str, value, ok, allowed: str) -> None:
-  if callable(value) or isinstance(value, jax.core.Tracer):
-    return
-  if not ok(float(value)):
-    raise ValueError(f'{where}: {name}={value!r} must be {allowed}.')
+    check('warmup_momentum', warmup_momentum, lambda x: 0 <= x < 1,
+          'in [0, 1)')
 
 
 def diloco(
@@ -312,6 +305,9 @@ def diloco(
   if lazy_steps and lazy is None:
     raise ValueError(f'diloco: lazy_steps={lazy_steps} needs the lazy-start '
                      'transformation `lazy`.')
+  _common.check_transformation('diloco', 'inner', inner)
+  if lazy is not None:
+    _common.check_transformation('diloco', 'lazy', lazy)
   check_outer_hypers('diloco', outer_lr, outer_momentum, warmup_momentum)
   o = _Outer(optax.with_extra_args_support(inner),
              None if lazy is None else optax.with_extra_args_support(lazy),

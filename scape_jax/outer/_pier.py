@@ -180,6 +180,9 @@ def pier(
                     why=' (T, the steps of the run)')
   schedule = sync_schedule(total_steps, sync_every, lazy_start,
                            momentum_warmup)
+  _common.check_transformation('pier', 'inner', inner)
+  if schedule.lazy_steps:
+    _common.check_transformation('pier', 'lazy', lazy)
   if outer_momentum is None:
     outer_momentum = pier_momentum(total_steps)
   if outer_lr is None:
