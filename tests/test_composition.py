@@ -111,8 +111,8 @@ def test_a_bad_learning_rate_is_refused_by_name(name):
   """A learning rate that is not a number >= 0 or a schedule is refused when
   the alias is built: a string raised 'Only integer scalar arrays ...' at
   the first update, a list a bare TypeError, and a negative rate climbed the
-  loss. Numbers, scalar arrays, schedules and None (optax: no scaling) build;
-  the first three step like optax.adamw's scaled direction does."""
+  loss. A float, a scalar array and a schedule give the same step; None
+  (optax: no scaling) gives the direction unscaled."""
   extra = {'density': 0.25} if name in ('scape', 'scape_dist', 'radius') else {}
   extra.update({} if name == 'adams' else {'axis_name': None})
   make = getattr(scape_jax, name)
