@@ -46,7 +46,7 @@ def _check(where: str, name: str, value, ok, allowed: str) -> None:
     raise ValueError(f'{where}: {name}={value!r} must be {allowed}.')
 
 
-def is_number(value) -> bool:
+def _is_number(value) -> bool:
   """Whether `value` is a real scalar: a Python or NumPy number (not a bool
   or a string) or a scalar array of an integer or float dtype (traced ones
   included, as `optax.inject_hyperparams` passes them)."""
@@ -67,7 +67,7 @@ def check_scalar_or_schedule(where: str, name: str, value, ok,
   if callable(value):
     return
   allowed = f'{allowed}, or an optax schedule (a callable of the step)'
-  if not is_number(value):
+  if not _is_number(value):
     raise ValueError(f'{where}: {name}={value!r} must be {allowed}.')
   _check(where, name, value, ok, allowed)
 

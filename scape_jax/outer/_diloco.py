@@ -253,6 +253,23 @@ def check_outer_hypers(where: str, outer_lr, outer_momentum,
           'in [0, 1)')
 
 
+def _checked_outer(inner, lazy, lazy_steps: int, outer_lr, outer_momentum,
+                   warmup_momentum, replica_axis) -> _Outer:
+  """`diloco`'s methods and outer hyperparameters, checked, as an `_Outer`
+  (the methods taking extra keyword arguments)."""
+  if lazy_steps and lazy is None:
+    raise ValueError(f'diloco: lazy_steps={lazy_steps} needs the lazy-start '
+                     'transformation `lazy`.')
+  _common.check_transformation('diloco', 'inner', inner)
+  if lazy is not None:
+    _common.check_transformation('diloco', 'lazy', lazy)
+  check_outer_hypers('diloco', outer_lr, outer_momentum, warmup_momentum)
+  return _Outer(optax.with_extra_args_support(inner),
+                None if lazy is None else optax.with_extra_args_support(lazy),
+                outer_lr, outer_momentum, warmup_momentum or 0.0,
+                replica_axis)
+
+
 def diloco(
     inner: optax.GradientTransformation,
     sync_every: int,
@@ -302,16 +319,8 @@ def diloco(
     `docs/design.md`, "DiLoCo and Pier".
   """
   schedule = SyncSchedule(sync_every, lazy_steps, warmup_momentum is not None)
-  if lazy_steps and lazy is None:
-    raise ValueError(f'diloco: lazy_steps={lazy_steps} needs the lazy-start '
-                     'transformation `lazy`.')
-  _common.check_transformation('diloco', 'inner', inner)
-  if lazy is not None:
-    _common.check_transformation('diloco', 'lazy', lazy)
-  check_outer_hypers('diloco', outer_lr, outer_momentum, warmup_momentum)
-  o = _Outer(optax.with_extra_args_support(inner),
-             None if lazy is None else optax.with_extra_args_support(lazy),
-             outer_lr, outer_momentum, warmup_momentum or 0.0, replica_axis)
+  o = _checked_outer(inner, lazy, lazy_steps, outer_lr, outer_momentum,
+                     warmup_momentum, replica_axis)
 
   def init_fn(params):
     inner_state = o.inner.init(params)
