@@ -3,6 +3,7 @@
 # 1.5e-4 -> 1e-5 after 5000 warmup steps, betas (0.9, 0.999), weight decay
 # 0.01, SCAPE at 1% density reached by exponential density warmup.
 model = dict(preset='gpt345m')
+# SCAPE mode: Algorithm 1, the paper's (local_adam=True: per-worker Adam).
 optimizer = dict(name='scape', lr=1.5e-4, warmup_steps=5000,
                  min_lr_ratio=1e-5 / 1.5e-4, b2=0.999, weight_decay=0.01,
                  scape=dict(density=0.01, density_warmup_steps=1000))

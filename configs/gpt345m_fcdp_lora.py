@@ -9,6 +9,7 @@
 # traffic and speed, as bench/fcdp_volume.py does).
 model = dict(preset='gpt345m', remat=True,
              lora=dict(rank=16, alpha=32.0, targets=['c_attn', 'attn.c_proj']))
+# Method: dense AdamW (FCDP changes the parameter gathers, not the optimizer).
 optimizer = dict(name='adamw', lr=2e-4, warmup_steps=100, weight_decay=0.0)
 data = dict(seq_len=1024, batch_size=64, micro_batches=2)
 mesh = dict(data=1, fsdp=8, nodes=2)

@@ -4,6 +4,7 @@
 # 1% density reached by exponential density warmup. Give the prepared corpus
 # with --config.data.corpus=DIR. On GPUs add --config.model.attn_impl=cudnn.
 model = dict(preset='llama500m', remat=True)
+# SCAPE mode: Algorithm 1, the paper's (local_adam=True: per-worker Adam).
 optimizer = dict(name='scape', lr=3e-4, warmup_steps=2000, min_lr_ratio=0.1,
                  scape=dict(density=0.01, density_warmup_steps=1000))
 data = dict(seq_len=4096, batch_size=1024, micro_batches=32)

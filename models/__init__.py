@@ -38,7 +38,7 @@ PRESETS: dict[str, Config] = {
     'llama-tiny': LlamaConfig(
         vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4,
         n_kv_heads=2, d_ff=192),
-    # Larger small models for the fidelity study (bench/fidelity.py): about
+    # Larger small models for studies on CPU (docs/results.md): about
     # 1M and 10M parameters at the byte vocabulary, still trainable on CPU.
     'llama-1m': LlamaConfig(
         vocab_size=256, max_seq_len=256, d_model=128, n_layers=5, n_heads=4,

@@ -18,6 +18,7 @@ from scape_jax.optim import ScaleByAdamSState
 from scape_jax.optim import ScaleByDemoState
 from scape_jax.optim import ScaleByRadiusState
 from scape_jax.optim import ScaleByScapeDistState
+from scape_jax.optim import ScaleByScapeLocalAdamState
 from scape_jax.optim import ScaleByScapeState
 from scape_jax.optim import adams
 from scape_jax.optim import compress_except
@@ -31,8 +32,10 @@ from scape_jax.optim import scale_by_demo
 from scape_jax.optim import scale_by_radius
 from scape_jax.optim import scale_by_scape
 from scape_jax.optim import scale_by_scape_dist
+from scape_jax.optim import scale_by_scape_local_adam
 from scape_jax.optim import scape
 from scape_jax.optim import scape_dist
+from scape_jax.optim import scape_local_adam
 from scape_jax.optim import scape_stats
 from scape_jax.optim import with_fp32_replica
 from scape_jax.sharding.memory import state_shardings
@@ -47,6 +50,7 @@ __all__ = [
     'ScaleByDemoState',
     'ScaleByRadiusState',
     'ScaleByScapeDistState',
+    'ScaleByScapeLocalAdamState',
     'ScaleByScapeState',
     'adams',
     'compress_except',
@@ -63,8 +67,10 @@ __all__ = [
     'scale_by_radius',
     'scale_by_scape',
     'scale_by_scape_dist',
+    'scale_by_scape_local_adam',
     'scape',
     'scape_dist',
+    'scape_local_adam',
     'scape_stats',
     'state_partition_specs',
     'state_shardings',

@@ -135,12 +135,12 @@ def test_equals_algorithm_1_over_20_steps():
   assert np.abs(final.residual['w1']).max() > 0
 
 
-def test_radix_select_gives_the_default_run_bit_for_bit():
-  # Algorithm 2 selects every leaf's own chunk in one set of radix passes
-  # (select='radix'); the states and params are the default select's.
+def test_the_sort_select_gives_the_default_run_bit_for_bit():
+  # Algorithm 2 selects every leaf's own chunk by lax.top_k (select='sort')
+  # or the default search; the states and params are the same bits.
   kw = dict(density=DENSITY, density_warmup_steps=2, clip_norm=2.0)
   runs = []
-  for select in ('auto', 'radix'):
+  for select in ('auto', 'sort'):
     tx = _scape_dist.scape_dist(1e-2, select=select, **kw)
     params, state, specs = _start(tx)
     step = _step_fn(tx, specs, _mesh())

@@ -70,3 +70,56 @@ def test_no_source_file_over_600_lines():
   long = {str(p.relative_to(ROOT)): n for p in files
           if (n := len(p.read_text().splitlines())) > 600}
   assert not long, long
+
+
+def _module_names() -> dict:
+  """Dotted module name -> path, for every Python file of the repository
+  (bench/ scripts by their bare names: they import each other that way)."""
+  out = {}
+  for top in ('scape_jax', 'models', 'tests'):
+    for path in (ROOT / top).rglob('*.py'):
+      parts = path.relative_to(ROOT).with_suffix('').parts
+      out['.'.join(parts[:-1] if parts[-1] == '__init__' else parts)] = path
+  for path in (ROOT / 'bench').glob('*.py'):
+    out[path.stem] = path
+  out['train'] = ROOT / 'train.py'
+  return out
+
+
+def _edges(modules: dict) -> dict:
+  """Module -> the modules of the repository it imports (the most specific
+  one each import names)."""
+  edges = {}
+  for name, path in modules.items():
+    targets = set()
+    for imported in _imports(path):
+      parts = imported.split('.')
+      for n in range(len(parts), 0, -1):
+        if '.'.join(parts[:n]) in modules:
+          targets.add('.'.join(parts[:n]))
+          break
+    edges[name] = targets - {name}
+  return edges
+
+
+def test_the_repository_has_no_import_cycle():
+  """No module imports itself through others (a package's __init__
+  importing its own modules is not a cycle: they do not import it back)."""
+  edges = _edges(_module_names())
+  state, stack, cycles = {}, [], []
+
+  def visit(node):
+    state[node] = 'open'
+    stack.append(node)
+    for nxt in sorted(edges[node]):
+      if state.get(nxt) == 'open':
+        cycles.append(stack[stack.index(nxt):] + [nxt])
+      elif nxt not in state:
+        visit(nxt)
+    stack.pop()
+    state[node] = 'done'
+
+  for node in sorted(edges):
+    if node not in state:
+      visit(node)
+  assert not cycles, '\n'.join(' -> '.join(c) for c in cycles)

@@ -154,7 +154,7 @@ def test_malformed_overrides(override):
     ('--config.optimizer.decay=linear', 'decay'),
     ('--config.optimizer.scape.mask_encoding=rle', 'mask_encoding'),
     ('--config.optimizer.scape.select=heap', 'select'),
-    ('--config.optimizer.scape.variant=sloppy', 'variant'),
+    ('--config.optimizer.scape.local_adam=maybe', 'local_adam'),
     ('--config.optimizer.b2=1', 'b2'),
     ('--config.optimizer.min_lr_ratio=2', 'min_lr_ratio'),
     ('--config.optimizer.warmup_steps=-1', 'warmup_steps'),
@@ -299,12 +299,14 @@ def test_keys_a_method_does_not_read_are_noted():
       '--config.optimizer.clip_norm=0.5']).optimizer)  # SCAPE reads it
 
 
-@pytest.mark.parametrize('variant', ['fresh', 'carry', 'carry_v'])
-def test_distributed_scape_rejects_variants(variant):
-  with pytest.raises(config.ConfigError,
-                     match=f"variant='{variant}'.*distributed=True"):
-    config.load(None, ['--config.optimizer.scape.distributed=True',
-                       f'--config.optimizer.scape.variant={variant}'])
+@pytest.mark.parametrize('other, match', [
+    ('distributed=True', 'local_adam=True with distributed=True'),
+    ('payload_dtype=bfloat16', "local_adam=True sends float32 values; got "
+     "payload_dtype='bfloat16'")])
+def test_local_adam_refuses_what_it_cannot_do(other, match):
+  with pytest.raises(config.ConfigError, match=match):
+    config.load(None, ['--config.optimizer.scape.local_adam=True',
+                       f'--config.optimizer.scape.{other}'])
 
 
 def test_validate_lists_every_problem():
@@ -354,7 +356,7 @@ def test_format_is_short_and_complete():
 
 def test_the_program_refuses_pallas_on_cpu_and_notes_idle_devices():
   from scape_jax import train as trainer  # pylint: disable=g-import-not-at-top
-  for select in ('pallas', 'pallas_radix'):
+  for select in ('pallas_radix',):
     with pytest.raises(config.ConfigError,
                        match=rf"select='{select}' runs Pallas kernels.*on "
                        "cpu use 'auto'"):

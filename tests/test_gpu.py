@@ -16,6 +16,7 @@ import pytest
 import scape_jax
 from scape_jax.comm import topk
 from scape_jax.kernels import pack_bits, topk_mask, topk_segments, unpack_bits
+from tests import one_chunk
 from tests.test_kernels import _two_chunks
 from tests.test_topk import _numpy_words
 
@@ -42,8 +43,8 @@ def test_compiled_count_kernel_matches_reference(c):
   thresholds = jnp.asarray([-1, 0, keys[c // 2], keys[-1], 0x7F800000],
                            jnp.int32)
   for num_valid in {c, max(1, c - 150)}:
-    got = topk_mask.count_at_least(x, num_valid, thresholds)
-    expected = topk_mask.count_at_least_reference(x, num_valid, thresholds)
+    got = one_chunk.count_at_least(x, num_valid, thresholds)
+    expected = one_chunk.count_at_least_reference(x, num_valid, thresholds)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
 
 
@@ -55,8 +56,8 @@ def test_compiled_mask_kernel_matches_reference(c):
   for num_valid in {c, max(1, c - 150)}:
     for args in [(lo, hi, c // 2), (-1, 0, num_valid + 1),
                  (lo, lo + 1, c)]:
-      got = topk_mask.threshold_mask_words(x, num_valid, *args)
-      expected = topk_mask.threshold_mask_words_reference(x, num_valid, *args)
+      got = one_chunk.threshold_mask_words(x, num_valid, *args)
+      expected = one_chunk.threshold_mask_words_reference(x, num_valid, *args)
       np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
 
 
@@ -88,8 +89,8 @@ def test_compiled_pack_and_unpack_match_numpy(n, c):
                                 bits)
 
 
-@pytest.mark.parametrize('select', ['sort', 'sort_keys', 'threshold', 'pallas',
-                                    'radix', 'pallas_radix', 'auto'])
+@pytest.mark.parametrize('select', ['sort', 'threshold', 'pallas_radix',
+                                    'auto'])
 @pytest.mark.parametrize('kind', ['normal', 'quantised', 'equal'])
 def test_every_select_equals_numpy_on_gpu(select, kind):
   rng = np.random.default_rng(3)
@@ -139,8 +140,7 @@ def _run_scape(select, density, device):
 def test_scape_update_is_the_same_with_every_select_on_gpu(density):
   gpu = jax.devices('gpu')[0]
   base = _run_scape('sort', density, gpu)
-  for select in ('sort_keys', 'threshold', 'pallas', 'radix', 'pallas_radix',
-                 'auto'):
+  for select in ('threshold', 'pallas_radix', 'auto'):
     got = _run_scape(select, density, gpu)
     jax.tree.map(np.testing.assert_array_equal, got, base)
 

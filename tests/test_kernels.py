@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from scape_jax.kernels import pack_bits, topk_mask, topk_segments, unpack_bits
+from tests import one_chunk
 
 TRITON = '__gpu$xla.gpu.triton'
 MOSAIC_TPU = 'tpu_custom_call'
@@ -29,8 +30,8 @@ def test_count_at_least_matches_reference(c, num_valid):
   keys = np.asarray(topk_mask.magnitude_key(x))
   thresholds = jnp.asarray([-1, 0, int(np.median(keys)), 0x7F800000,
                             topk_mask.NAN_KEY], jnp.int32)
-  got = topk_mask.count_at_least(x, num_valid, thresholds, interpret=True)
-  expected = topk_mask.count_at_least_reference(x, num_valid, thresholds)
+  got = one_chunk.count_at_least(x, num_valid, thresholds, interpret=True)
+  expected = one_chunk.count_at_least_reference(x, num_valid, thresholds)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
   # Totals against NumPy: padding (PAD_KEY = -1) counts at threshold -1 only.
   rows = got.shape[0]
@@ -47,8 +48,8 @@ def test_threshold_mask_words_matches_reference(c, num_valid):
   keys = np.asarray(topk_mask.magnitude_key(x))
   lo, hi = int(np.quantile(keys, 0.3)), int(np.quantile(keys, 0.8))
   for args in [(lo, hi, c // 2), (-1, 0, num_valid + 1), (lo, lo + 1, c)]:
-    got = topk_mask.threshold_mask_words(x, num_valid, *args, interpret=True)
-    expected = topk_mask.threshold_mask_words_reference(x, num_valid, *args)
+    got = one_chunk.threshold_mask_words(x, num_valid, *args, interpret=True)
+    expected = one_chunk.threshold_mask_words_reference(x, num_valid, *args)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
     # Against NumPy, bit by bit.
     index = np.arange(c)
@@ -99,20 +100,20 @@ def test_all_equal_chunk(c):
   x = jnp.full((c,), -1.5, jnp.float32)
   key = int(topk_mask.magnitude_key(x)[0])
   thresholds = jnp.asarray([key, key + 1], jnp.int32)
-  got = topk_mask.count_at_least(x, c, thresholds, interpret=True)
+  got = one_chunk.count_at_least(x, c, thresholds, interpret=True)
   np.testing.assert_array_equal(np.asarray(got).sum(0), [c, 0])
   np.testing.assert_array_equal(
       np.asarray(got),
-      np.asarray(topk_mask.count_at_least_reference(x, c, thresholds)))
+      np.asarray(one_chunk.count_at_least_reference(x, c, thresholds)))
   cut = (c + 1) // 2
-  words = topk_mask.threshold_mask_words(x, c, key, key + 1, cut,
+  words = one_chunk.threshold_mask_words(x, c, key, key + 1, cut,
                                          interpret=True)
   bits = np.pad(np.arange(c) < cut, (0, -c % 32))
   np.testing.assert_array_equal(
       np.asarray(words), np.packbits(bits, bitorder='little').view('<u4'))
   np.testing.assert_array_equal(
       np.asarray(words), np.asarray(
-          topk_mask.threshold_mask_words_reference(x, c, key, key + 1, cut)))
+          one_chunk.threshold_mask_words_reference(x, c, key, key + 1, cut)))
 
 
 def _two_chunks():
@@ -159,7 +160,7 @@ def test_mask_rows_matches_reference_and_numpy_per_chunk():
   # Chunk a: the keys above the median; chunk b: every real key, and the
   # padding (key -1 = lo) before offset 10: none, its 3000 are all real.
   words = np.asarray(got)
-  first = np.asarray(topk_mask.threshold_mask_words_reference(
+  first = np.asarray(one_chunk.threshold_mask_words_reference(
       a, 4900, lo[0], lo[0] + 1, 5000))
   np.testing.assert_array_equal(words[:64].reshape(-1)[:157], first)
   bits = np.unpackbits(words[64:].reshape(-1).view(np.uint8),
@@ -178,11 +179,11 @@ def _kernel_calls():
   words = pack_bits.pack_bits_reference(bits)
   thresholds = jnp.asarray([0, 5], jnp.int32)
   return {
-      'count_at_least': (topk_mask.count_at_least, (x, 4000, thresholds)),
+      'count_at_least': (one_chunk.count_at_least, (x, 4000, thresholds)),
       # Triton needs power-of-two blocks: 5 thresholds are padded to 8.
-      'count_at_least_5': (topk_mask.count_at_least,
+      'count_at_least_5': (one_chunk.count_at_least,
                            (x, 4000, jnp.arange(5, dtype=jnp.int32))),
-      'threshold_mask_words': (topk_mask.threshold_mask_words,
+      'threshold_mask_words': (one_chunk.threshold_mask_words,
                                (x, 4000, 1, 2, 3)),
       'count_rows': (topk_segments.count_rows,
                      (x[:4096].reshape(32, 128), jnp.zeros(1, jnp.int32),

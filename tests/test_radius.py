@@ -26,7 +26,7 @@ def _radius_state(state):
 
 
 @pytest.mark.parametrize('index_radius, select', [
-    (0, 'auto'), (1, 'auto'), (0, 'threshold'), (1, 'radix')])
+    (0, 'auto'), (1, 'auto'), (0, 'threshold'), (1, 'sort')])
 def test_matches_numpy_simulation_across_a_cycle(index_radius, select):
   """dense -> resample -> sparse -> resample ..., every step checked; the
   masks by `lax.top_k` ('auto' at these widths) and by the sort-free

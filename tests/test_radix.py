@@ -1,4 +1,5 @@
-"""Many chunks in one set of radix passes ('radix', 'pallas_radix'): each
+"""Many chunks in one set of radix passes ('pallas_radix', and its jnp
+reference `radix.radix_topk_words_many(use_pallas=False)`): each
 chunk's words against NumPy, and one launch per pass for an update's
 leaves. (SCAPE's updates with the radix selects against the other selects:
 tests/test_scape.py and tests/test_alg2.py.)"""
@@ -26,13 +27,13 @@ def _chunks(seed, kinds):
   return xs, num_valid
 
 
-@pytest.mark.parametrize('select', ['radix', 'pallas_radix'])
+@pytest.mark.parametrize('use_pallas', [False, True])
 @pytest.mark.parametrize('kinds', [('normal',), ('equal', 'quantised'),
                                    ('zeros', 'denormal', 'normal')])
-def test_many_chunks_each_equal_numpy(select, kinds):
+def test_many_chunks_each_equal_numpy(use_pallas, kinds):
   xs, num_valid = _chunks(3, kinds)
-  run = jax.jit(lambda xs, ns, ks: topk.chunks_topk_words(
-      xs, ns, [x.shape[0] for x in xs], ks, select=select))
+  run = jax.jit(lambda xs, ns, ks: radix.radix_topk_words_many(
+      xs, ns, ks, use_pallas=use_pallas))
   # k = 1, k = c, past num_valid (padding chosen last), and densities.
   for ks in ([1] * len(SIZES), list(SIZES),
              [min(c, n + 1) for c, n in zip(SIZES, num_valid)],
@@ -62,14 +63,14 @@ def test_many_chunks_with_nan_and_inf_and_every_binade():
 
 
 def test_no_chunks_no_words():
-  for select in ('radix', 'pallas_radix', 'sort'):
+  for select in ('threshold', 'pallas_radix', 'sort'):
     assert topk.chunks_topk_words([], [], [], [], select=select) == []
 
 
 def test_chunks_topk_words_checks_each_width():
   with pytest.raises(ValueError, match=r'width=0 must be in \[1, 5\]'):
     topk.chunks_topk_words([jnp.ones(8), jnp.ones(5)], [8, 5], [8, 0],
-                           [1, 1], select='radix')
+                           [1, 1], select='pallas_radix')
 
 
 def test_every_leaf_in_one_set_of_passes():

@@ -162,7 +162,7 @@ _OTHER_VALUE = {
                   offload_kind='unpinned_host', distributed=True,
                   fp32_replica=False,
                   payload_dtype='bfloat16', offset_bits='16',
-                  variant='local_adam', dense_leaves='embed_tokens',
+                  local_adam=True, dense_leaves='embed_tokens',
                   interleaved_leaves='embed_tokens'),
     'radius': dict(density=0.25, interval=5, dense_fraction=0.3,
                    index_radius=1, select='sort'),

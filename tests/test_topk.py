@@ -28,9 +28,12 @@ def _numpy_words(x, num_valid, k):
 
 @functools.cache
 def _selector(select, width=None):
-  """One jitted program per chunk size: num_valid and k are traced."""
+  """One jitted program per chunk size: num_valid and k are traced.
+  'radix': the jnp reference of 'pallas_radix''s passes."""
 
   def run(x, num_valid, k):
+    if select == 'radix':
+      return radix.radix_topk_words_many([x], [num_valid], [k])[0]
     return topk.chunk_topk_words(x, num_valid, width or x.shape[0], k,
                                  select=select)
 
@@ -61,7 +64,7 @@ def _cases(c):
   return sorted(out)
 
 
-@pytest.mark.parametrize('select', ['threshold', 'radix', 'sort_keys'])
+@pytest.mark.parametrize('select', ['threshold', 'radix'])
 @pytest.mark.parametrize('kind', ['normal', 'equal', 'quantised', 'zeros',
                                   'denormal'])
 @pytest.mark.parametrize('c', [1, 37, 1000, 20_011, 70_000])
@@ -131,8 +134,7 @@ def test_nan_and_inf_rank_above_every_finite_value():
     expected = np.zeros(32, bool)
     expected[order[:k]] = True
     expected = np.packbits(expected, bitorder='little').view('<u4')
-    for select in ('sort', 'sort_keys', 'threshold', 'pallas', 'radix',
-                   'pallas_radix'):
+    for select in ('sort', 'threshold', 'radix', 'pallas_radix'):
       got = _selector(select)(jnp.asarray(x), jnp.int32(8), jnp.int32(k))
       np.testing.assert_array_equal(np.asarray(got), expected,
                                     err_msg=f'{select} k={k}')
@@ -152,7 +154,7 @@ def test_nan_and_inf_in_large_chunks():
   x[rng.choice(30_000, 300, replace=False)] = np.nan
   x[rng.choice(30_000, 300, replace=False)] = -np.inf
   for k in (1, 299, 300, 650, 3000):
-    for select in ('threshold', 'radix', 'sort_keys'):
+    for select in ('threshold', 'radix'):
       got = _selector(select)(jnp.asarray(x), jnp.int32(30_000),
                               jnp.int32(k))
       np.testing.assert_array_equal(np.asarray(got),
@@ -161,8 +163,7 @@ def test_nan_and_inf_in_large_chunks():
 
 @pytest.mark.parametrize('kind', ['normal', 'equal', 'quantised', 'zeros',
                                   'denormal'])
-@pytest.mark.parametrize('select, twin', [('pallas', 'threshold'),
-                                          ('pallas_radix', 'radix')])
+@pytest.mark.parametrize('select, twin', [('pallas_radix', 'radix')])
 def test_pallas_selects_equal_their_jnp_twins_and_numpy(select, twin, kind):
   # The Pallas kernels run in the interpreter on CPU.
   rng = np.random.default_rng(7)
@@ -255,8 +256,8 @@ def test_radix_lowers_without_loops_or_branches_and_pins_any_key():
   # Straight-line on every platform: no `while` whose condition XLA's GPU
   # runtime would read on the host, no conditional.
   x = jnp.ones((1 << 14,))
-  traced = jax.jit(lambda x, k: topk.chunk_topk_words(
-      x, x.size, 4096, k, select='radix')).trace(x, jnp.int32(100))
+  traced = jax.jit(lambda x, k: radix.radix_topk_words_many(
+      [x], [x.size], [k])[0]).trace(x, jnp.int32(100))
   for platform in ('cpu', 'cuda', 'tpu'):
     text = traced.lower(lowering_platforms=(platform,)).as_text()
     for op in ('stablehlo.while', 'stablehlo.case', 'stablehlo.if',
@@ -398,8 +399,7 @@ def test_every_select_types_its_words_like_its_inputs_in_shard_map(varying):
   # and the branches must have one type (a chunk above
   # AUTO_SORT_MAX_WIDTH['cpu'] once failed there: the full-width sort's
   # scatter into fresh zeros was typed as not varying).
-  c, selects, widths = 2048, ('sort', 'sort_keys', 'threshold', 'radix',
-                               'auto'), (2048, 200)
+  c, selects, widths = 2048, ('sort', 'threshold', 'auto'), (2048, 200)
   data = np.random.default_rng(0).normal(size=8 * c).astype(np.float32)
 
   def per_worker(xs):

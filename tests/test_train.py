@@ -37,8 +37,12 @@ def test_two_step_smoke_per_family(corpus, tmp_path, preset):
   assert os.listdir(tmp_path / 'tb')
 
 
-def test_resume_is_bit_exact(corpus, tmp_path):
+@pytest.mark.parametrize('local_adam', [False, True])
+def test_resume_is_bit_exact(corpus, tmp_path, local_adam):
+  """SCAPE (Algorithm 1, and `scape_local_adam`) stopped at step 3 and
+  resumed: the same losses as the run that did not stop."""
   args = ('--config.optimizer.name=scape', '--config.optimizer.scape.density=0.1',
+          f'--config.optimizer.scape.local_adam={local_adam}',
           '--config.eval_every=0')
   straight = trainer.train(_cfg(corpus, tmp_path / 'a', '--config.steps=6',
                                 *args))
@@ -131,7 +135,7 @@ def test_interleaved_leaves_reorder_the_named_leaf_on_the_same_wire(
   first moment of the embedding is the plain run's in `interleave`'s order
   (and the head's is the plain run's); the compiled step's collectives are
   the same, kind by kind and element by element. A part matching no
-  parameter, Algorithm 2 and a row-prior variant are refused by name."""
+  parameter and Algorithm 2 are refused by name."""
   from scape_jax.optim import _interleave  # pylint: disable=g-import-not-at-top
 
   def program(*overrides):
@@ -171,10 +175,7 @@ def test_interleaved_leaves_reorder_the_named_leaf_on_the_same_wire(
   for extra, message in [
       ((key + 'embeding',), r"interleaved_leaves: \['embeding'\] match no"),
       ((key + 'embed_tokens', '--config.optimizer.scape.distributed=true'),
-       "interleaved_leaves='embed_tokens' with distributed=True"),
-      ((key + 'embed_tokens',
-        '--config.optimizer.scape.variant=local_adam_rowshrunk'),
-       "with variant='local_adam_rowshrunk': its prior per row")]:
+       "interleaved_leaves='embed_tokens' with distributed=True")]:
     with pytest.raises(config_lib.ConfigError, match=message):
       collectives(program(*extra))
 
@@ -193,7 +194,8 @@ def test_dense_train_step_reduces_every_parameter(corpus, tmp_path):
 
 def test_dry_run_reports_memory_without_allocating(corpus, tmp_path, capsys):
   """Also: a GPU config (select='pallas_radix') dry-runs on simulated CPU
-  devices, compiled as 'radix' and said so (a real CPU run is refused)."""
+  devices, compiled as 'threshold' and said so (a real CPU run is
+  refused)."""
   cfg = _cfg(corpus, tmp_path, '--config.optimizer.name=scape',
              '--config.mesh.data=8', '--config.optimizer.scape.select='
              'pallas_radix')
@@ -203,7 +205,7 @@ def test_dry_run_reports_memory_without_allocating(corpus, tmp_path, capsys):
   out, err = capsys.readouterr()
   assert 'parameters' in out
   assert ("note: dry run on cpu devices: optimizer.scape.select="
-          "'pallas_radix' is compiled as 'radix'") in err
+          "'pallas_radix' is compiled as 'threshold'") in err
   with pytest.raises(config_lib.ConfigError, match='runs Pallas kernels'):
     trainer.build_program(cfg)
 

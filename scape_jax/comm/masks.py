@@ -213,19 +213,21 @@ def words_to_offsets(words: jax.Array, k: int) -> jax.Array:
   # a division is costly enough that XLA stores the offsets once, where it
   # would otherwise redo this decode inside each consumer that can fuse it
   # (SCAPE's payload gather beside its scatters' index), and a stored
-  # int32[n, k] costs less than a second decode (`bench/update_ab.py`).
+  # int32[n, k] costs less than a second decode (docs/design.md, "What
+  # was tried").
   one = jnp.where(jax.lax.population_count(words[:, :1]) > 32, 2, 1)
   return jax.lax.div(offsets, one.astype(jnp.int32))
 
 
 # False: `words_to_offsets` leaves XLA free to redo the decode in each
-# consumer, as before it stored them (read when traced; `bench/update_ab.py`).
+# consumer, as before it stored them (read when traced; docs/design.md,
+# "What was tried").
 _STORE_OFFSETS = True
 
 # The lowering platforms on which `words_to_offsets_many` decodes every
 # leaf's bitmaps in one call, not one call per leaf (read when traced).
 # None yet: on CPU one call for all leaves is no faster in the update
-# (`bench/update_ab.py` 'decode batched') and slower alone; on a GPU it
+# (docs/design.md, "What was tried") and slower alone; on a GPU it
 # would launch one set of kernels for the whole tree instead of one per
 # leaf, which passed the GPU tests but is not yet timed there
 # (docs/benchmarks.md, section 2).
@@ -412,7 +414,7 @@ def set_at(x: jax.Array, layout: LeafLayout, offsets: jax.Array,
 
 # False: `set_at` ignores `after`, and XLA copies x before the scatter where
 # another op may still read x, as before (read when traced;
-# `bench/update_ab.py`).
+# docs/design.md, "What was tried").
 _SCATTER_AFTER = True
 
 

@@ -1,4 +1,4 @@
-"""'radix' and 'pallas_radix': many chunks' top-k masks in one set of passes.
+"""'pallas_radix': many chunks' top-k masks in one set of passes.
 
 For each chunk the k-th largest key T lies in a bracket [lo, hi) with
 c_lo = #{key >= lo} >= k > c_hi = #{key >= hi}. It starts as
@@ -16,8 +16,9 @@ selects 23 leaves makes 10 launches in all, not 10 per leaf: on a GPU the
 per-leaf passes spent most of their time in small launches
 (docs/benchmarks.md section 2). The code is straight-line: no `while`,
 whose condition XLA's GPU runtime reads on the host, and no conditional.
-The passes are the jnp references ('radix') or the Pallas kernels
-('pallas_radix').
+The passes are the Pallas kernels ('pallas_radix') or, with
+`use_pallas=False`, their jnp references (the kernels' tests, and the
+dry run of a 'pallas_radix' config on CPU devices).
 """
 
 from typing import NamedTuple, Sequence

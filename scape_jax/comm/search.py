@@ -1,4 +1,4 @@
-"""The sort-free search of `comm.topk`'s 'threshold' and 'pallas' selections.
+"""The sort-free search of `comm.topk`'s 'threshold' selection.
 
 A bracket (lo, hi, c_lo, c_hi) holds the k-th largest key T of a chunk:
 c_lo = #{key >= lo} >= k > c_hi = #{key >= hi}, so lo <= T < hi. Counting
@@ -73,7 +73,7 @@ def _line_probes(b: Bracket, k, spread):
   linear in |x|). Each probe is the outer of the two (the flat one alone
   where c_hi = 0), so that the pass straddles T when either fits; each
   alone missed often, the flat one on llama-100m's m~, the tail on uniform
-  data (`bench/search_steer.py`). In |x|, not in the key."""
+  data (docs/design.md, "What was tried"). In |x|, not in the key."""
   c_lo, c_hi = b.c_lo.astype(jnp.float32), b.c_hi.astype(jnp.float32)
   low_value, high_value = _value(b.lo), _value(b.hi)
 

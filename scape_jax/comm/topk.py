@@ -19,12 +19,6 @@ Selections (`SELECTS`):
 
   * 'sort': `lax.top_k` (or a stable argsort when width = c) on the keys.
     XLA sorts the whole operand for large k.
-  * 'sort_keys': `jnp.sort` of the keys alone (no indices, so half the
-    bytes of 'sort''s key-index sort), T read off at position c - k, then
-    the tie cut (one counting pass) and the mask pass. For GPUs, where
-    XLA's sort of one int32 operand is cub's radix sort: on an H100 the
-    update is 7-12% slower than with 'sort', with a third of its
-    temporaries (measured while 'sort' still stored its keys twice).
   * 'threshold': pure jnp. The k-th largest key T is bracketed by counting
     passes, each a fused compare-and-count of the chunk against two
     thresholds: sampled keys around the sample's estimate of T first, then
@@ -36,21 +30,18 @@ Selections (`SELECTS`):
     count of chosen ties reaches k, and one mask pass emits the packed
     words. A handful of passes on smooth data (`tests/test_topk.py` bounds
     them).
-  * 'pallas': the same search with the counting and mask passes as Pallas
-    kernels (`scape_jax.kernels.topk_mask`); Triton on GPU, Mosaic on TPU.
-  * 'radix': pure jnp, with no loop and no branch (`comm.radix`):
+  * 'pallas_radix': pure Pallas, with no loop and no branch
+    (`comm.radix`, kernels `scape_jax.kernels.topk_segments`):
     `RADIX_PASSES` counting passes, each of which splits the bracket's key
     range into `RADIX` equal parts and keeps the part that holds T (8
     passes of 15 thresholds pin any key), then the tie cut and the mask
-    pass. `chunks_topk_words` runs these passes over many chunks at once.
-    Made for backends where a data-dependent loop costs a round trip to
-    the host at every iteration (XLA's GPU runtime reads a `while`
-    condition on the host); its passes do more compares than the
-    search's, so on CPU it is the slower one (`bench/select_crossover.py`).
-  * 'pallas_radix': 'radix' with its passes as Pallas kernels
-    (`scape_jax.kernels.topk_segments`): one launch per pass for all the
-    chunks. The default on cuda: on an H100 the update with it took 0.80x
-    (d = 0.1) and 0.84x (d = 0.01) of the update with 'sort'.
+    pass, every chunk of the update in one launch per pass. Made for
+    backends where a data-dependent loop costs a round trip to the host at
+    every iteration (XLA's GPU runtime reads a `while` condition on the
+    host). The default on cuda: on an H100 the update with it took 0.80x
+    (d = 0.1) and 0.84x (d = 0.01) of the update with 'sort'. Its passes
+    in jnp (`radix.radix_topk_words_many(use_pallas=False)`) are the
+    kernels' reference.
   * 'auto': `AUTO_SELECT[platform]`, resolved when the program is lowered
     (`jax.lax.platform_dependent`, one branch per platform around all the
     chunks of a `chunks_topk_words` call), so a program lowered for another
@@ -58,7 +49,12 @@ Selections (`SELECTS`):
     at most `AUTO_SORT_MAX_WIDTH` of the backend the program is *traced* on
     (`backend_platform()`), 'sort' (XLA:CPU's top-k costs about linear in
     k, the search about linear in the chunk with a fixed floor:
-    `bench/select_crossover.py`). Both give the same bits.
+    measured on CPU). Both give the same bits.
+
+Which select is fastest where (docs/benchmarks.md, section 2): 'threshold'
+on CPU (and by default on TPU, where nothing was measured), 'pallas_radix'
+on an H100, 'sort' at top-k widths up to 1024 on CPU. 'sort' is also the
+pure-jnp reference the others are tested against.
 """
 
 import functools
@@ -74,8 +70,7 @@ from scape_jax.kernels import topk_mask
 from scape_jax.kernels._common import ROW
 from scape_jax.kernels.topk_mask import PAD_KEY, magnitude_key
 
-SELECTS = ('auto', 'sort', 'sort_keys', 'threshold', 'pallas', 'radix',
-           'pallas_radix')
+SELECTS = ('auto', 'sort', 'threshold', 'pallas_radix')
 # The default per lowering platform ('auto'), by measurement where there is
 # one (docs/benchmarks.md, section 2). On an H100 the sort was 2.6x faster
 # than the search, whose while loops wait on the host at every pass, and
@@ -86,9 +81,8 @@ SELECTS = ('auto', 'sort', 'sort_keys', 'threshold', 'pallas', 'radix',
 AUTO_SELECT = {'cpu': 'threshold', 'cuda': 'pallas_radix', 'rocm': 'sort',
                'tpu': 'threshold'}
 # 'auto' takes 'sort' for a width up to this, per platform (measured on CPU
-# only: `bench/select_crossover.py`; no entry: never).
+# only; no entry: never).
 AUTO_SORT_MAX_WIDTH = {'cpu': 1024}
-RADIX_SELECTS = ('radix', 'pallas_radix')  # every chunk in one set of passes
 SAMPLE = 1 << 12  # sampled keys that steer the first passes (docs/design.md)
 
 
@@ -122,9 +116,9 @@ def chunk_topk_words(scores: jax.Array, num_valid, width: int, k, *,
 def chunks_topk_words(scores: Sequence[jax.Array], num_valid: Sequence,
                       widths: Sequence[int], ks: Sequence, *,
                       select: str = 'auto') -> list:
-  """`chunk_topk_words` of many chunks (the same bits): 'radix' and
-  'pallas_radix' select them all in one set of passes, the other selects
-  one chunk at a time. 'auto' picks one select for all the chunks it does
+  """`chunk_topk_words` of many chunks (the same bits): 'pallas_radix'
+  selects them all in one set of passes, the other selects one chunk at a
+  time. 'auto' picks one select for all the chunks it does
   not give to the sort (`AUTO_SORT_MAX_WIDTH`), when lowered."""
   check_select(select, 'chunks_topk_words')
   for x, w in zip(scores, widths):
@@ -158,9 +152,9 @@ def chunks_topk_words(scores: Sequence[jax.Array], num_valid: Sequence,
 
 def _select_many(select: str, widths, scores, num_valid, ks) -> list:
   """Every chunk's words by one select other than 'auto'."""
-  if select in RADIX_SELECTS:
-    return radix.radix_topk_words_many(
-        scores, num_valid, ks, use_pallas=select == 'pallas_radix')
+  if select == 'pallas_radix':
+    return radix.radix_topk_words_many(scores, num_valid, ks,
+                                       use_pallas=True)
   return [_select_one(select, x, n, w, k)
           for x, n, w, k in zip(scores, num_valid, widths, ks)]
 
@@ -189,12 +183,10 @@ def auto_select(platform: str, width: int) -> str:
 
 
 def _select_one(select: str, x, num_valid, width: int, k) -> jax.Array:
-  """One chunk's words by 'sort', 'sort_keys', 'threshold' or 'pallas'."""
+  """One chunk's words by 'sort' or 'threshold'."""
   if select == 'sort':
     return sort_topk_words(x, num_valid, width, k)
-  if select == 'sort_keys':
-    return sort_keys_topk_words(x, num_valid, k)
-  return threshold_topk_words(x, num_valid, k, use_pallas=select == 'pallas')
+  return threshold_topk_words(x, num_valid, k)
 
 
 # ----------------------------------------------------------------------------
@@ -228,18 +220,6 @@ def sort_topk_words(scores, num_valid, width: int, k) -> jax.Array:
   return _pack((keys > t) | ((keys == t) & (index <= last)))
 
 
-def sort_keys_topk_words(scores, num_valid, k) -> jax.Array:
-  """The 'sort_keys' selection: T = the k-th largest key off `jnp.sort`
-  of the keys alone, then the tie cut and the mask pass in jnp."""
-  c = scores.shape[0]
-  t = jnp.sort(_keys(scores, num_valid))[c - k]
-  passes = _passes(scores, num_valid, use_pallas=False)
-  counts = passes.count(t, t + 1)
-  b = search.Bracket(t, t + 1, jnp.sum(counts[:, 0]),
-                     jnp.sum(counts[:, 1]))
-  return passes.emit(t, t + 1, search.tie_cut(passes, b, k, counts))
-
-
 def _keys(scores, num_valid):
   index = jnp.arange(scores.shape[0], dtype=jnp.int32)
   return jnp.where(index < num_valid, magnitude_key(scores), PAD_KEY)
@@ -254,7 +234,7 @@ def _pack(bits):
 
 
 # ----------------------------------------------------------------------------
-# 'threshold' and 'pallas': the passes over the chunk.
+# 'threshold': the passes over the chunk.
 
 
 class _Passes(NamedTuple):
@@ -278,10 +258,10 @@ class _Passes(NamedTuple):
   emit: Callable
 
 
-def _passes(scores, num_valid, use_pallas: bool) -> _Passes:
-  """The passes in jnp, or as Pallas kernels (interpreted on CPU)."""
+def _passes(scores, num_valid) -> _Passes:
+  """The passes over one chunk, in jnp."""
   c = scores.shape[0]
-  x = topk_mask.as_rows(scores, topk_mask.BLOCK_ROWS if use_pallas else 1)
+  x = topk_mask.as_rows(scores, 1)
 
   def row_keys(r):
     rows = x.at[r].get(mode='fill', fill_value=0.0)
@@ -289,19 +269,10 @@ def _passes(scores, num_valid, use_pallas: bool) -> _Passes:
     keys = jnp.where(index < num_valid, magnitude_key(rows), PAD_KEY)
     return jnp.where((r < x.shape[0])[:, None], keys, search.FILL_KEY)
 
-  if use_pallas:
-    flat = x.reshape(-1)
-    count = lambda lo, hi: topk_mask.count_at_least(flat, num_valid,
-                                                    jnp.stack([lo, hi]))
-    count_many = lambda t: jnp.sum(
-        topk_mask.count_at_least(flat, num_valid, t), axis=0)
-    emit = lambda lo, hi, cut: topk_mask.threshold_mask_words(
-        flat, num_valid, lo, hi, cut)[:-(-c // 32)]
-  else:
-    count = lambda lo, hi: _jnp_count(x, num_valid, lo, hi)
-    count_many = lambda t: _jnp_count_many(x, num_valid, t)
-    emit = lambda lo, hi, cut: _jnp_emit(x, num_valid, lo, hi, cut)[
-        :-(-c // 32)]
+  count = lambda lo, hi: _jnp_count(x, num_valid, lo, hi)
+  count_many = lambda t: _jnp_count_many(x, num_valid, t)
+  emit = lambda lo, hi, cut: _jnp_emit(x, num_valid, lo, hi, cut)[
+      :-(-c // 32)]
   return _Passes(x.shape[0], lambda: _sample(scores, num_valid), count,
                  count_many, row_keys, emit)
 
@@ -367,10 +338,9 @@ def _sample(scores, num_valid):
   return -jnp.sort(-keys)
 
 
-def threshold_topk_words(scores, num_valid, k, *,
-                         use_pallas: bool = False) -> jax.Array:
-  """The 'threshold' ('pallas' with `use_pallas`) selection."""
-  passes = _passes(scores, num_valid, use_pallas)
+def threshold_topk_words(scores, num_valid, k) -> jax.Array:
+  """The 'threshold' selection."""
+  passes = _passes(scores, num_valid)
   bracket, counts = search.search(passes, scores.shape[0], k)
   lo, hi, cut = search.finish(passes, bracket, k, counts)
   return passes.emit(lo, hi, cut)

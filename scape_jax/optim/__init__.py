@@ -26,6 +26,10 @@ from scape_jax.optim._scape import ScaleByScapeState
 from scape_jax.optim._scape import scale_by_scape
 from scape_jax.optim._scape import scape
 from scape_jax.optim._scape import scape_stats
+from scape_jax.optim._scape_local_adam import ScaleByScapeLocalAdamState
+from scape_jax.optim._scape_local_adam import scale_by_scape_local_adam
+from scape_jax.optim._scape_local_adam import scape_local_adam
+from scape_jax.optim._scape_local_adam import scape_local_adam_stats
 from scape_jax.optim._scape_dist import ScaleByScapeDistState
 from scape_jax.optim._scape_dist import dist_to_scape
 from scape_jax.optim._scape_dist import scale_by_scape_dist
@@ -36,10 +40,11 @@ from scape_jax.optim._scape_dist import scape_to_dist
 __all__ = [
     'DensitySchedule', 'Fp32ReplicaState', 'RadiusSchedule',
     'ScaleByAdamSState', 'ScaleByDemoState', 'ScaleByRadiusState',
-    'ScaleByScapeDistState', 'ScaleByScapeState', 'adams', 'compress_except',
-    'demo', 'demo_stats', 'interleave_chunks',
+    'ScaleByScapeDistState', 'ScaleByScapeLocalAdamState', 'ScaleByScapeState',
+    'adams', 'compress_except', 'demo', 'demo_stats', 'interleave_chunks',
     'dist_to_scape', 'radius', 'radius_stats', 'scale_by_adams',
     'scale_by_demo', 'scale_by_radius', 'scale_by_scape', 'scale_by_scape_dist',
-    'scape', 'scape_dist', 'scape_dist_stats', 'scape_stats', 'scape_to_dist',
-    'with_fp32_replica',
+    'scale_by_scape_local_adam', 'scape', 'scape_dist', 'scape_dist_stats',
+    'scape_local_adam', 'scape_local_adam_stats', 'scape_stats',
+    'scape_to_dist', 'with_fp32_replica',
 ]

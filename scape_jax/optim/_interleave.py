@@ -9,7 +9,7 @@ token is in the batch, and token ids are not random. On a byte vocabulary
 over English text (the Shakespeare corpus: 84 of the 256 bytes occur, all
 below 128), the rows that occur sit in chunks 0 to 3 of 8; chunks 4 to 7
 never have a gradient, and their k entries a step are spent on zeros while
-the letters' chunks wait (`bench/fidelity_leaves.py chunks`).
+the letters' chunks wait (docs/results.md).
 
 `interleave_chunks(tx)` runs `tx` on each leaf with its entries reordered:
 the first N * (size // N) entries are dealt round-robin (`interleave`), so
@@ -21,14 +21,12 @@ ceil(size / N) entries drift across the blocks, and each holds parts of two
 residue classes. The updates `tx` returns are put back in the original
 order (`deinterleave`). Leaves keep their shapes, so every buffer,
 collective and byte on the wire is `tx`'s, and so is every score that
-treats a leaf's entries alike; a score that reads a leaf's rows (variant
-'local_adam_rowshrunk''s prior per row) would read strided rows instead,
-and the trainer refuses that combination. `tx`'s state holds its per-entry
+treats a leaf's entries alike (SCAPE's do). `tx`'s state holds its per-entry
 arrays in the reordered layout (so a checkpoint of one order does not
 resume under the other).
 
 This is only valid where `tx`'s state is replicated or per worker
-(Algorithm 1 and its variants): under Algorithm 2 the chunks are also the
+(Algorithm 1, `scape_local_adam`): under Algorithm 2 the chunks are also the
 optimizer shards and the parameter all-gather's layout, which the trainer
 does not reorder (`train.methods` refuses the combination).
 """
@@ -69,7 +67,7 @@ def interleave_chunks(
 
   Args:
     tx: a transformation that chunks each leaf over the N workers of
-      `axis_name` (e.g. `scape(...)`, Algorithm 1 or a variant), with
+      `axis_name` (e.g. `scape(...)` or `scape_local_adam(...)`), with
       replicated or per-worker state.
     axis_name: the data-parallel axis `tx` exchanges over (N is its size),
       or None for one worker (no reordering).
@@ -118,25 +116,18 @@ def interleave_chunks(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-# Variants whose mask reads a leaf's rows, which a reordered leaf strides.
-ROW_VARIANTS = ('local_adam_rowshrunk',)
-
-
 def interleave_named(tx: optax.GradientTransformation, parts: str,
-                     axis_name=DATA, *, variant: str = 'faithful',
-                     distributed: bool = False,
+                     axis_name=DATA, *, distributed: bool = False,
                      where: str = 'optimizer.scape.interleaved_leaves'):
   """`interleave_chunks` on the leaves whose path holds one of the
   comma-separated `parts` (`_common.leaves_named`: a part that matches no
   leaf is a ValueError naming it and `where`); `tx` itself if `parts` names
-  none. `tx` is SCAPE of `variant`, Algorithm 2 if `distributed`; a leaf
-  named under Algorithm 2 or a `ROW_VARIANTS` variant is a ValueError."""
+  none. `tx` is SCAPE, Algorithm 2 if `distributed`; a leaf named under
+  Algorithm 2 is a ValueError (its chunks are the optimizer shards)."""
   named = _common.leaves_named(parts.split(','), where)
   if named is None:
     return tx
-  why = ('distributed=True: its chunks are the optimizer shards'
-         if distributed else f'variant={variant!r}: its prior per row would '
-         'read strided rows' if variant in ROW_VARIANTS else None)
-  if why:
-    raise ValueError(f"{where}={parts!r} with {why}; allowed there: ''.")
+  if distributed:
+    raise ValueError(f'{where}={parts!r} with distributed=True: its chunks '
+                     "are the optimizer shards; allowed there: ''.")
   return interleave_chunks(tx, axis_name, named)

@@ -1,8 +1,7 @@
 """Squared norms as reductions that XLA:CPU compiles itself, and the global
 norm of a list of leaves built from them: the clip's norm in SCAPE's update
-and the residual norms that SCAPE, its distributed mode, its local-Adam
-variants and Radius keep in their state (docs/benchmarks.md, "Where the rest
-of the d = 0.1 update goes, and the norms summed by rows")."""
+and the residual norms that SCAPE, its distributed and local-Adam modes and
+Radius keep in their state."""
 
 import math
 from typing import Optional, Sequence
@@ -12,7 +11,7 @@ import jax.numpy as jnp
 
 
 # False: `squared_norm` is jnp.sum(x * x), which XLA:CPU hands to YNNPACK, as
-# before (read when traced; `bench/update_ab.py`).
+# before (read when traced; docs/design.md, "What was tried").
 OWN_REDUCTION = True
 
 

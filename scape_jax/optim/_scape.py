@@ -14,30 +14,24 @@ sees. `scape_jax.state_partition_specs` gives the `PartitionSpec`s that
 place it.
 """
 
-import dataclasses
 import functools
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from scape_jax.comm import masks
-from scape_jax.comm import payload
-from scape_jax.comm import topk
 from scape_jax.comm.axes import DATA
-from scape_jax.comm.collectives import all_gather_invariant, varying
+from scape_jax.comm.collectives import varying
 from scape_jax.optim import _common
-from scape_jax.optim import _memory
+from scape_jax.optim import _exchange
 from scape_jax.optim import _norms
 from scape_jax.optim import _scape_clip
+from scape_jax.optim import _wire
+from scape_jax.optim._common import MaskOrFn, ScalarOrSchedule
 from scape_jax.optim._density import DensitySchedule
 from scape_jax.optim._plan import CompressionPlan
-from scape_jax.optim import _wire
-from scape_jax.optim import _scape_local_adam  # pylint: disable=cyclic-import
-from scape_jax.optim import _scape_variants
-from scape_jax.optim._common import MaskOrFn, ScalarOrSchedule
 
 
 class ScaleByScapeState(NamedTuple):
@@ -48,12 +42,9 @@ class ScaleByScapeState(NamedTuple):
   mask: optax.Updates  # Per worker: own chunk bitmap, uint32 [W, words]; MaskedNode on dense leaves.
   residual_norm: jax.Array  # Per worker: ||e^n|| after the last step, f32[W].
   density: jax.Array  # f32: density in force at the last step.
-  variant_state: optax.Updates = ()  # `_scape_variants.init_state`: replicated.
-  # Per worker: `_scape_local_adam`'s moments of its own gradients, else ().
-  local_state: tuple = ()
 
   # Fields that differ per worker and carry the leading worker axis.
-  PER_WORKER_FIELDS = ('residual', 'mask', 'residual_norm', 'local_state')
+  PER_WORKER_FIELDS = ('residual', 'mask', 'residual_norm')
   # Fields that may live in host memory between steps (Section IV-E;
   # `scape_jax.sharding.state_shardings(..., offload='pinned_host')`).
   OFFLOADED_FIELDS = ('residual',)
@@ -73,7 +64,6 @@ def scale_by_scape(
     select: str = 'auto',
     payload_dtype: str = 'float32',
     offset_bits: Union[str, int] = '32',
-    variant: str = 'faithful',
 ) -> optax.GradientTransformationExtraArgs:
   """SCAPE's exchange and AdamS direction from each worker's local gradients.
 
@@ -93,11 +83,11 @@ def scale_by_scape(
       allowed), 'bitmap' or 'indices' (offsets, of `offset_bits`).
     select: how the next mask's top-k is found, one of `topk.SELECTS`:
       'auto' (`topk.AUTO_SELECT` for the platform the program is lowered
-      for), 'sort' (`lax.top_k`), 'sort_keys' (`jnp.sort` of the keys
-      alone, then the tie cut), 'threshold' (sort-free, jnp), 'pallas'
-      (sort-free, Pallas kernels; GPU and TPU), 'radix' (sort-free, jnp,
-      a fixed number of passes: no loop) or 'pallas_radix' (the same
-      passes as Pallas kernels). All give the same bits.
+      for: 'threshold' on CPU and TPU, 'pallas_radix' on CUDA), 'sort'
+      (`lax.top_k`, the reference), 'threshold' (a sort-free search in
+      jnp) or 'pallas_radix' (a fixed number of sort-free passes as
+      Pallas kernels, every chunk at once; GPU and TPU). All give the
+      same bits.
     payload_dtype: one of `payload.PAYLOAD_DTYPES`: the width of the
       payload values on the wire. 'bfloat16' and 'float16' round each
       worker's values and the owner's mean, and feed every rounding error
@@ -106,8 +96,6 @@ def scale_by_scape(
       too): offsets as int32 (32), as 16 bits plus sub-block ends (16), or
       whichever is smaller ('auto'). The default is the string '32' so that
       `optax.inject_hyperparams` leaves it static.
-    variant: one of `_scape_variants.VARIANTS`; 'faithful' is Algorithm 1.
-      The others (`_scape_variants`, docs/design.md) send the same bytes.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`. `update` takes the static
@@ -119,14 +107,13 @@ def scale_by_scape(
     SCAPE paper, Algorithm 1 and Sections IV-A..IV-C, IV-E;
     `docs/design.md` sections 2-4.
   """
-  schedule, hyper = _configure(
-      density, density_warmup_steps, b1=b1, b2=b2, eps=eps,
+  schedule, hyper = _exchange.configure(
+      'scape', density, density_warmup_steps, b1=b1, b2=b2, eps=eps,
       clip_norm=clip_norm, axis_name=axis_name, mask_encoding=mask_encoding,
-      select=select, payload_dtype=payload_dtype, offset_bits=offset_bits,
-      variant=variant)
+      select=select, payload_dtype=payload_dtype, offset_bits=offset_bits)
 
   def init_fn(params):
-    return _init_state(params, compress, axis_name, variant)
+    return _init_state(params, compress, axis_name)
 
   @_common.passes_empty_trees
   def update_fn(updates, state, params=None, *, density_level=None, **extra):
@@ -142,51 +129,12 @@ def _update(updates, state, compress: MaskOrFn, schedule: DensitySchedule,
   n, _ = _common.axis_context('scape update', hyper.axis_name)
   plan = CompressionPlan.create(updates, compress, n)
   _common.check_per_worker_state('scape update', state.residual_norm)
-  return at_level(_update_at_level, updates, state, plan, hyper, schedule,
+  return _exchange.at_level(_update_at_level, updates, state, plan, hyper, schedule,
                   density_level)
 
 
-def at_level(update_at_level, updates, state, plan: CompressionPlan, hyper,
-             schedule: DensitySchedule, density_level) -> tuple:
-  """`update_at_level` (SCAPE's or Algorithm 2's) at the static
-  `density_level`, else at the state's level through a `lax.switch`, with
-  offloaded state leaves on the device in between."""
-  step = functools.partial(update_at_level, updates,
-                           _memory.to_device(state), plan=plan,
-                           hyper=hyper, schedule=schedule)
-  direction, new_state = _common.at_density_level(
-      step, density_level, schedule.levels, schedule.level(state.count))
-  return direction, _memory.like(new_state, state)
-
-
-def _configure(density, density_warmup_steps: int, *, b1, b2, eps, clip_norm,
-               axis_name, mask_encoding, select, payload_dtype='float32',
-               offset_bits='32', variant='faithful') -> tuple:
-  """Checks `scale_by_scape`'s arguments; (its DensitySchedule, its _Hyper)."""
-  _common.check_moments('scale_by_scape', b1, b2, eps, clip_norm)
-  payload.check_payload_dtype(payload_dtype)
-  topk.check_select(select, 'scape')
-  _scape_variants.check_variant(variant, 'scape')
-  if variant in _scape_variants.LOCAL_OPTIMIZERS and (
-      payload_dtype != 'float32'):
-    raise ValueError(f'scape: payload_dtype={payload_dtype!r} with '
-                     f'variant={variant!r}; it sends float32 only.')
-  schedule = density
-  if not isinstance(density, DensitySchedule):
-    schedule = DensitySchedule(density, density_warmup_steps)
-  elif density_warmup_steps:
-    raise ValueError('scape: density is a DensitySchedule; give its warmup '
-                     'there, not density_warmup_steps='
-                     f'{density_warmup_steps!r}.')
-  return schedule, _Hyper(
-      b1=b1, b2=b2, eps=eps, clip_norm=clip_norm, axis_name=axis_name,
-      encoding=mask_encoding, levels=schedule.levels, select=select,
-      payload_dtype=payload_dtype, variant=variant,
-      offset_bits=masks.check_wire_request(mask_encoding, offset_bits))
-
-
-def _init_state(params, compress: MaskOrFn, axis_name,
-                variant: str) -> ScaleByScapeState:
+def _init_state(params, compress: MaskOrFn,
+                axis_name) -> ScaleByScapeState:
   """Algorithm 1's initial state: m = 0, e = 0, M_0 = all ones."""
   n, local = _common.axis_context('scape init', axis_name)
   plan = CompressionPlan.create(params, compress, n)
@@ -207,44 +155,20 @@ def _init_state(params, compress: MaskOrFn, axis_name,
       residual=plan.treedef.unflatten(residual),
       mask=plan.treedef.unflatten(own_mask),
       residual_norm=per_worker(jnp.zeros([], jnp.float32)),
-      density=jnp.ones([], jnp.float32),
-      variant_state=_scape_variants.init_state(variant, params),
-      local_state=(_scape_local_adam.init_local_state(variant, params, plan,
-                                                      per_worker)
-                   if variant in _scape_variants.LOCAL_OPTIMIZERS else ()))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Hyper:
-  """The static settings of one `scale_by_scape`."""
-  b1: float
-  b2: float
-  eps: float
-  clip_norm: Optional[float]
-  axis_name: Optional[str]
-  encoding: str
-  levels: tuple
-  select: str
-  payload_dtype: str = 'float32'
-  offset_bits: Union[str, int] = 32
-  variant: str = 'faithful'
+      density=jnp.ones([], jnp.float32))
 
 
 _STORE_MIN = 1 << 16  # smaller leaves recompute m~ (`_semi_updated_moment`)
 
 
 def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
-                     plan: CompressionPlan, hyper: _Hyper,
+                     plan: CompressionPlan, hyper: _exchange.Hyper,
                      schedule: DensitySchedule):
   """One SCAPE update whose payload has the k of density level `level`."""
-  if hyper.variant in _scape_variants.LOCAL_OPTIMIZERS:
-    return _scape_local_adam.update(grads, state, level, plan=plan,
-                                    hyper=hyper, schedule=schedule)
   flat = plan.treedef.flatten_up_to
   grad_leaves = [g.astype(jnp.float32) for g in flat(grads)]
   mu = flat(state.mu)
-  k_levels = [None if layout is None else plan.k_per_level(j, hyper.levels)
-              for j, layout in enumerate(plan.layouts)]
+  k_levels = _exchange.k_per_level(plan, hyper)
   k_now = [None if per_level is None else per_level[level]
            for per_level in k_levels]
 
@@ -253,15 +177,15 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
   # The next mask first: where m~ is stored, its selection and the payload
   # are the last reads of m~ before the residual overwrites M in m~'s own
   # buffer (`after`).
-  scores = _scape_variants.mask_scores(hyper.variant, moment, mu, hyper.b1)
-  own_mask = _next_own_masks(scores, plan, k_levels, level,
-                             schedule.level(state.count + 1), hyper)
-  global_masks = _exchange_masks(flat(state.mask), plan, k_now, hyper)
+  own_mask = _exchange.next_own_masks(moment, plan, k_levels, level,
+                                      schedule.level(state.count + 1), hyper)
+  global_masks = _exchange.exchange_masks(flat(state.mask), plan, k_now,
+                                          hyper)
   stored = [_stores_moment(plan, j, k_now[j]) for j in range(len(mu))]
   after = [(o,) if keep else () for o, keep in zip(own_mask, stored)]
   if hyper.payload_dtype == 'float32':
-    sent = _payload(moment, plan, global_masks)
-    exchanged, errors = _mean(sent, hyper.axis_name), None
+    sent = _exchange.payload(moment, plan, global_masks)
+    exchanged, errors = _exchange.mean(sent, hyper.axis_name), None
     after = [a + (x,) if keep else a
              for a, x, keep in zip(after, sent, stored)]
   else:  # the errors come from the sent values
@@ -269,15 +193,15 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
         moment, plan.layouts, [g and g.offsets for g in global_masks],
         hyper.axis_name, hyper.payload_dtype)
   bbar, gbar, residual, in_mask = _reconstruct(
-      moment, mu, exchanged, plan, global_masks, hyper.b1, errors,
-      hyper.variant, after)
+      moment, mu, exchanged, plan, global_masks, hyper.b1, errors, after)
   if hyper.clip_norm is not None:
     gbar = _scape_clip.clip(gbar, hyper.clip_norm, _scape_clip.squared_norms(
         gbar, bbar, in_mask, mu, exchanged, plan, global_masks, hyper.b1))
   count = optax.safe_increment(state.count)
-  direction, variant_state = _direction(mu, bbar, gbar, count, hyper,
-                                        in_mask, state.variant_state,
-                                        1.0 / hyper.levels[level])
+  nu = [hyper.b2 * m * m + (1.0 - hyper.b2) * g * g
+        for m, g in zip(mu, gbar)]
+  direction = _common.bias_corrected_direction(bbar, nu, count, b1=hyper.b1,
+                                               b2=hyper.b2, eps=hyper.eps)
 
   vary = functools.partial(varying, axis_name=hyper.axis_name)
   new_state = ScaleByScapeState(
@@ -288,8 +212,7 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
       mask=plan.treedef.unflatten(
           [optax.MaskedNode() if o is None else vary(o) for o in own_mask]),
       residual_norm=vary(_norms.global_norm(residual)[None]),
-      density=jnp.asarray(hyper.levels[level], jnp.float32),
-      variant_state=variant_state, local_state=state.local_state)
+      density=jnp.asarray(hyper.levels[level], jnp.float32))
   direction = [d.astype(g.dtype) for d, g in zip(direction, flat(grads))]
   return plan.treedef.unflatten(direction), new_state
 
@@ -324,81 +247,17 @@ def _stores_moment(plan, j: int, k) -> bool:
           and plan.is_sparse(j, k))
 
 
-class _GlobalMask(NamedTuple):
-  """One sparse leaf's mask in force, as gathered from every worker."""
-  offsets: jax.Array  # int32[N, k], ascending within each chunk
-  words: jax.Array  # uint32[N, ceil(c/32)], the same as chunk bitmaps
-
-
-def _exchange_masks(own_masks, plan, k_now, hyper, shift=None) -> list:
-  """The mask all-gather: every worker's chunk mask -> `_GlobalMask`.
-
-  One uint32 buffer carries every sparse leaf's contribution (bitmap or
-  offsets, `LeafLayout.encoding`). Dense leaves get None. With `shift`
-  (`_next_own_masks`'), worker n's contribution is chunk (n + shift) % N's.
-  The bitmaps are decoded by `masks.words_to_offsets_many`.
-  """
-  sparse = [j for j in range(len(own_masks)) if plan.is_sparse(j, k_now[j])]
-  enc = {j: plan.layouts[j].encoding(k_now[j], hyper.encoding,
-                                     hyper.offset_bits) for j in sparse}
-  wire = [masks.mask_to_wire(own_masks[j][0], plan.layouts[j], k_now[j],
-                             enc[j]) for j in sparse]
-  global_masks = [None] * len(own_masks)
-  if not wire:
-    return global_masks
-  buf = jnp.concatenate(wire)
-  gathered = (buf[None] if hyper.axis_name is None else
-              all_gather_invariant(buf, hyper.axis_name))
-  if shift is not None:  # row c: chunk c's mask
-    gathered = jnp.roll(gathered, shift, axis=0)
-  parts = dict(zip(sparse, _split(gathered, [x.shape[0] for x in wire])))
-  bitmaps = [j for j in sparse if enc[j] == 'bitmap']
-  decoded = masks.words_to_offsets_many([parts[j] for j in bitmaps],
-                                        [k_now[j] for j in bitmaps])
-  for j, offsets in zip(bitmaps, decoded):
-    global_masks[j] = _GlobalMask(offsets, parts[j])
-  for j in (j for j in sparse if enc[j] != 'bitmap'):
-    offsets = masks.offsets_from_wire(parts[j], plan.layouts[j], k_now[j],
-                                      enc[j])
-    global_masks[j] = _GlobalMask(offsets, masks.offsets_to_words(
-        offsets, plan.layouts[j].chunk_size))
-  return global_masks
-
-
-def _exchange_payload(moment, plan, global_masks, axis_name):
-  """The payload all-reduce: the values of m~ at M, plus the dense leaves.
-
-  Returns the mean over workers split per leaf (compacted for sparse leaves).
-  """
-  return _mean(_payload(moment, plan, global_masks), axis_name)
-
-
-def _payload(moment, plan, global_masks) -> list:
-  """This worker's payload per leaf: m~ at M, compacted, on sparse leaves;
-  m~ flat on dense ones."""
-  return [mt.reshape(-1) if g is None else
-          masks.gather_at(mt, layout, g.offsets)
-          for mt, layout, g in zip(moment, plan.layouts, global_masks)]
-
-
-def _mean(payload, axis_name) -> list:
-  """The mean over workers of each leaf's payload, in one all-reduce."""
-  flat = jnp.concatenate(payload)
-  mean = flat if axis_name is None else jax.lax.pmean(flat, axis_name)
-  return _split(mean, [x.size for x in payload])
-
-
 def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1,
-                 errors=None, variant='faithful', after=None):
+                 errors=None, after=None):
   """bbar at full shape, the mean gradient at M (Eq. 3), the new residual
   and M (bool at full shape; None where the leaf is dense this step).
 
-  Outside M gbar is zero, bbar and the residual are zero and m~ (or
-  `_scape_variants.outside_mask`); dense leaves have no residual (None) or,
-  compressed but dense at this level, zeros. Inside M the residual is zero,
-  or the payload's rounding error `errors` of a half-width wire. `after`:
-  per leaf, the results of the other reads of m~ (`masks.set_at`), so that
-  the residual is written into m~'s buffer, not a copy of it.
+  Outside M gbar and bbar are zero and the residual is m~; dense leaves
+  have no residual (None) or, compressed but dense at this level, zeros.
+  Inside M the residual is zero, or the payload's rounding error `errors`
+  of a half-width wire. `after`: per leaf, the results of the other reads
+  of m~ (`masks.set_at`), so that the residual is written into m~'s buffer,
+  not a copy of it.
   """
   errors = errors or [None] * len(moment)
   after = after or [()] * len(moment)
@@ -410,17 +269,11 @@ def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1,
       b = masks.scatter_at(values, layout, mask.offsets, shape)
       in_mask = layout.from_chunks(
           masks.unpack_bits(mask.words, layout.chunk_size), shape)
-      m_out, e_out = _scape_variants.outside_mask(variant, mt, m, b1)
-      if m_out is None:  # e with M overwritten: no masked full pass
-        kept = jnp.zeros_like(values) if err is None else err
-        residual.append(masks.set_at(e_out, layout, mask.offsets, kept,
-                                     after[j])[None])
-      else:
-        kept = 0.0 if err is None else masks.scatter_at(
-            err, layout, mask.offsets, shape)
-        residual.append(jnp.where(in_mask, kept, e_out)[None])
+      kept = jnp.zeros_like(values) if err is None else err
+      # e with M overwritten: no masked full pass
+      residual.append(masks.set_at(mt, layout, mask.offsets, kept,
+                                   after[j])[None])
       gbar.append(jnp.where(in_mask, (b - b1 * m) / (1.0 - b1), 0.0))
-      b = b if m_out is None else jnp.where(in_mask, b, m_out)
     else:
       in_mask = None
       b = values.reshape(shape)
@@ -433,53 +286,8 @@ def _reconstruct(moment, mu, bbar_parts, plan, global_masks, b1,
   return bbar, gbar, residual, in_masks
 
 
-def _direction(mu_prev, bbar, gbar, count, hyper, in_mask, variant_state,
-               max_scale):
-  """The AdamS direction (v from m_{t-1} and gbar, m = bbar), variant state
-  (`max_scale`: 1 / this level's density, for 'stale')."""
-  nu = [hyper.b2 * m * m + (1.0 - hyper.b2) * g * g
-        for m, g in zip(mu_prev, gbar)]
-  prev = jax.tree.leaves(variant_state)
-  nu = _scape_variants.second_moment(hyper.variant, mu_prev, bbar, nu, count,
-                                     hyper.b1, hyper.b2, in_mask, prev)
-  direction = _common.bias_corrected_direction(bbar, nu, count, b1=hyper.b1,
-                                               b2=hyper.b2, eps=hyper.eps)
-  direction, new = _scape_variants.finish_direction(
-      hyper.variant, direction, nu, in_mask, prev, max_scale)
-  return direction, jax.tree.structure(variant_state).unflatten(new)
-
-
-def _next_own_masks(moment, plan, k_levels, level, next_level, hyper,
-                    shift=None):
-  """This worker's next chunk mask per compressed leaf: of chunk n for
-  worker n, or (n + shift) % N ('local_adam_rotating')."""
-  worker = (0 if hyper.axis_name is None else
-            jax.lax.axis_index(hyper.axis_name))
-  if shift is not None:
-    worker = (worker + shift) % plan.num_workers
-  return _common.next_chunk_masks(
-      lambda j: _own_chunk(moment[j], plan.layouts[j], worker), plan.layouts,
-      k_levels, level, next_level, hyper.select)
-
-
-def _own_chunk(mt: jax.Array, layout: masks.LeafLayout, worker):
-  """(chunk `worker` of the leaf, its number of real entries)."""
-  chunk = layout.chunk_size
-  flat = mt.reshape(-1)
-  if layout.padded > layout.size:
-    flat = jnp.pad(flat, (0, layout.padded - layout.size))
-  return (jax.lax.dynamic_slice_in_dim(flat, worker * chunk, chunk),
-          layout.num_valid(worker))
-
-
 # ----------------------------------------------------------------------------
-# Per-leaf helpers.
-
-
-def _split(flat: jax.Array, sizes: Sequence[int]) -> list:
-  """Consecutive slices of `flat` along its last axis."""
-  bounds = np.cumsum([0] + list(sizes))
-  return [flat[..., a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+# The user-facing alias.
 
 
 def scape(
@@ -499,7 +307,6 @@ def scape(
     payload_dtype: str = 'float32',
     offset_bits: Union[str, int] = '32',
     weight_decay_mask: MaskOrFn = None,
-    variant: str = 'faithful',
 ) -> optax.GradientTransformationExtraArgs:
   """SCAPE: `scale_by_scape`, then decoupled weight decay and the learning rate.
 
@@ -515,7 +322,7 @@ def scape(
     density: fraction of each compressed leaf sent per step, in (0, 1], or a
       `DensitySchedule`.
     b1, b2, eps, clip_norm, axis_name, compress, density_warmup_steps,
-      mask_encoding, select, payload_dtype, offset_bits, variant: see
+      mask_encoding, select, payload_dtype, offset_bits: see
       `scale_by_scape`.
     weight_decay: decoupled weight-decay strength, >= 0.
     weight_decay_mask: optional tree or callable of bools selecting the leaves
@@ -532,8 +339,7 @@ def scape(
                      axis_name=axis_name, compress=compress,
                      density_warmup_steps=density_warmup_steps,
                      mask_encoding=mask_encoding, select=select,
-                     payload_dtype=payload_dtype, offset_bits=offset_bits,
-                     variant=variant),
+                     payload_dtype=payload_dtype, offset_bits=offset_bits),
       _common.add_decayed_weights('scape', weight_decay,
                                   weight_decay_mask),
       _common.scale_by_learning_rate('scape', learning_rate),

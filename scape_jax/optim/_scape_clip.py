@@ -44,7 +44,7 @@ def squared_norms(gbar, bbar, in_mask, mu, exchanged, plan, global_masks,
 
 # False: `squared_norms` sums the stored full-shape gbar on the sparse leaves
 # above `_NORM_AT_M_MAX_DENSITY`, as before (read when traced;
-# `bench/update_ab.py`).
+# docs/design.md, "What was tried").
 _NORM_FUSED = True
 
 

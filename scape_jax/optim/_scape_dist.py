@@ -36,6 +36,7 @@ from scape_jax.comm import masks
 from scape_jax.comm.axes import DATA
 from scape_jax.comm.collectives import all_gather_invariant, varying
 from scape_jax.optim import _common
+from scape_jax.optim import _exchange
 from scape_jax.optim import _scape
 from scape_jax.optim import _norms
 from scape_jax.optim._common import MaskOrFn, ScalarOrSchedule
@@ -87,8 +88,8 @@ def scale_by_scape_dist(
     SCAPE paper, Algorithm 2 and Section IV-D; `docs/design.md`.
   """
   # Validation and the density schedule are Algorithm 1's.
-  schedule, hyper = _scape._configure(  # pylint: disable=protected-access
-      density, density_warmup_steps, b1=b1, b2=b2, eps=eps,
+  schedule, hyper = _exchange.configure(
+      'scape', density, density_warmup_steps, b1=b1, b2=b2, eps=eps,
       clip_norm=clip_norm, axis_name=axis_name, mask_encoding=mask_encoding,
       select=select)
 
@@ -125,7 +126,7 @@ def scale_by_scape_dist(
     plan = CompressionPlan.create(updates, compress, n)
     _check_chunking(plan, state, n, axis_name)
     _common.check_per_worker_state('scape_dist update', state.residual_norm)
-    return _scape.at_level(_update_at_level, updates, state, plan, hyper,
+    return _exchange.at_level(_update_at_level, updates, state, plan, hyper,
                            schedule, density_level)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -165,8 +166,8 @@ def _update_at_level(grads, state: ScaleByScapeDistState, level: int, *,
   b1 = hyper.b1
 
   local, sync = _moment_parts(grad_leaves, state, plan, b1, flat)
-  offsets = _scape._exchange_masks(flat(state.mask), plan, k_now, hyper)  # pylint: disable=protected-access
-  mean = _scape._exchange_payload(local, plan, offsets, hyper.axis_name)  # pylint: disable=protected-access
+  offsets = _exchange.exchange_masks(flat(state.mask), plan, k_now, hyper)
+  mean = _exchange.exchange_payload(local, plan, offsets, hyper.axis_name)
   own = _own_chunks(local, sync, mean, offsets, plan, worker, b1,
                     flat(state.mu_own), flat(state.mu_dense))
   gbar = _clip([o.gbar for o in own], plan, hyper)
@@ -250,7 +251,7 @@ def _own_chunks(local, sync, mean, offsets, plan, worker, b1, mu_own,
       received = _own(layout.to_chunks(mean[j].reshape(shape)), worker)
       residual = jnp.zeros(shape, jnp.float32)
     else:
-      mask = offsets[j]  # the gathered `_GlobalMask`
+      mask = offsets[j]  # the gathered `_exchange.GlobalMask`
       own_offsets = _own(mask.offsets, worker)
       # Zeros of their own per leaf (`masks.own_zeros`): a constant zero
       # array would be shared by the leaves of one chunk size and copied
@@ -303,7 +304,7 @@ def _gather_direction(direction, own, offsets, plan, axis_name) -> list:
   gathered = (buf[None] if axis_name is None else
               all_gather_invariant(buf, axis_name))
   full = list(direction)
-  parts = _scape._split(gathered, [x.shape[0] for x in sent])  # pylint: disable=protected-access
+  parts = _exchange.split(gathered, [x.shape[0] for x in sent])
   for j, part in zip(where, parts):
     layout, shape = plan.layouts[j], plan.shapes[j]
     if offsets[j] is None:

@@ -1,257 +1,221 @@
-"""SCAPE variants 'local_adam', 'local_adams', 'local_adam_now',
-'local_adam_meanv', 'local_adam_smoothv', 'local_adam_rotating',
-'local_adam_debiased', 'local_adam_shrunk', 'local_adam_tempered',
-'local_adam_slab', 'local_adam_leaky', 'local_adam_gain' and
-'local_adam_rowshrunk': sparse updates with error feedback on the wire of
-Algorithm 1.
+"""SCAPE with per-worker Adam: sparse updates with error feedback, on
+Algorithm 1's wire.
 
-Each worker runs Adam ('local_adam': v the moving average of g**2) or AdamS
-('local_adams': v = b2 m_{t-1}**2 + (1 - b2) g**2, no state of its own) on
-its own gradient of every compressed leaf (local, per-worker moments) and
-keeps the updates it has not applied yet in its residual (error feedback on
-the *update*, not on the first moment). Each step the payload is that
-pending update at the mask in force, its mean over the workers is the step
-there, and the next mask is the top-k of each worker's current update |u|
-in its own chunk. 'local_adam_now' uses this step's mask, chosen from this
-step's update before the exchange, which then waits for the mask
-all-gather; 'local_adam_meanv' and 'local_adam_smoothv' are
-'local_adam_now' whose v estimates the mean gradient's second moment
-(`mean_v_direction`, `smooth_v_direction`). 'local_adam_rotating' is
-'local_adam_smoothv' whose chunks change owner every step (worker n chooses
-chunk (n + t) % N's mask at step t); 'local_adam_debiased',
-'local_adam_shrunk', 'local_adam_tempered' and 'local_adam_slab' are
-'local_adam_rotating' whose mask ranks by an estimate of the workers' mean
-update from u and its noise: u**2 less that noise (`debiased_score`), or
-the posterior mean under a normal prior (`shrunk_score`; with half the
-noise, `tempered_score`) or a spike-and-slab one (`slab_score`).
-'local_adam_leaky' is 'local_adam_shrunk' whose pending update decays by
-`LEAK` per step. 'local_adam_gain' ranks by the shrunk mean update times
-the pending update (`gain_score`); 'local_adam_rowshrunk' is
-'local_adam_shrunk' with a prior per row (`row_shrunk_score`).
-Leaves that are never compressed (norms, biases) take
-Algorithm 1's dense path (m~ exchanged in full, AdamS's direction). The
-masks, the payload and the collectives are Algorithm 1's, byte for byte.
+Each worker runs Adam on its own gradient of every compressed leaf (local
+moments m, v and w, the moving average of m^2) and keeps the updates it has
+not applied yet as its residual: error feedback on the *update*, where
+Algorithm 1 feeds back the first moment. Each step the payload is that
+pending update at the mask, and its mean over the workers is the step there.
 
-It follows the sparse-update oracle of `docs/results.md` (`current`: the k
-largest of this step's update move, by their pending update) with each
-worker's own gradient in place of the mean gradient and, as SCAPE must, the
-mask chosen one step before it is used. docs/design.md ("SCAPE variants
-'local_adam', 'local_adams', 'local_adam_now'" and "SCAPE variants
-'local_adam_meanv', 'local_adam_smoothv'", "SCAPE variants
-'local_adam_rotating', 'local_adam_debiased', 'local_adam_shrunk'",
-"SCAPE variant 'local_adam_slab'", "SCAPE variants 'local_adam_tempered',
-'local_adam_leaky'", "SCAPE variants 'local_adam_gain',
-'local_adam_rowshrunk'") say where they depart from the paper.
+* The direction. v alone is the worker's gradient's second moment, noisier
+  than the mean gradient's that AdamS divides by. `smooth_v_mean` estimates
+  the mean gradient's from v and w, so u = m^ / (sqrt(v_mean) + eps) has
+  AdamS's size.
+* The mask. Worker n ranks chunk (n + t) mod N at step t (ownership rotates,
+  so no chunk is ranked by one worker's noise for long) and uses the mask
+  in the step that chooses it (the payload's all-reduce waits for the masks'
+  all-gather). It ranks by the posterior mean of the workers' mean update,
+  |u| / (tau2 + noise) (`shrunk_score`), so a coordinate's noise alone does
+  not win it a place.
+
+Leaves that are never compressed (norms, biases) take Algorithm 1's dense
+path (m~ exchanged whole, AdamS's direction). The masks, the payload and
+the collectives are Algorithm 1's, byte for byte (`_exchange`). The
+measurements behind each choice are in docs/results.md and docs/design.md
+("What was tried").
 """
 
 import functools
+from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from scape_jax.comm import masks
+from scape_jax.comm.axes import DATA
 from scape_jax.comm.collectives import varying
 from scape_jax.optim import _common
+from scape_jax.optim import _exchange
 from scape_jax.optim import _norms
-from scape_jax.optim import _scape
 from scape_jax.optim import _scape_clip
+from scape_jax.optim._common import MaskOrFn, ScalarOrSchedule
+from scape_jax.optim._density import DensitySchedule
+from scape_jax.optim._plan import CompressionPlan
 
 
-# The variants whose mask ranks by an estimate of the workers' mean update
-# from u and its noise, not by u (`_SCORES` has each one's score).
-_SCORED = ('local_adam_debiased', 'local_adam_shrunk', 'local_adam_tempered',
-           'local_adam_slab', 'local_adam_leaky', 'local_adam_gain',
-           'local_adam_rowshrunk')
-# The variants whose score is a function of the pending update too.
-_PENDING_SCORED = ('local_adam_gain',)
-# The variants whose pending update decays by `LEAK` per step.
-_LEAKY = ('local_adam_leaky',)
-# What the pending update of a `_LEAKY` variant keeps of itself per step.
-LEAK = 0.98
-# The variants whose chunks change owner every step.
-_ROTATING = ('local_adam_rotating',) + _SCORED
-# The variants with a third moment, w, and `smooth_v_direction`.
-SMOOTH_V = ('local_adam_smoothv',) + _ROTATING
-# The variants whose mask is chosen in the step that uses it.
-_THIS_STEP = ('local_adam_now', 'local_adam_meanv') + SMOOTH_V
+class ScaleByScapeLocalAdamState(NamedTuple):
+  """State of `scale_by_scape_local_adam`."""
+  count: jax.Array  # int32: completed updates.
+  mu: optax.Updates  # Dense leaves: synchronized first moment; MaskedNode else.
+  residual: optax.Updates  # Per worker: pending update, f32[W, *shape].
+  m: optax.Updates  # Per worker: first moment of its own gradient.
+  v: optax.Updates  # Per worker: second moment of its own gradient.
+  w: optax.Updates  # Per worker: moving average (rate b2) of m^**2.
+  residual_norm: jax.Array  # Per worker: ||pending update||, f32[W].
+  density: jax.Array  # f32: density in force at the last step.
+
+  PER_WORKER_FIELDS = ('residual', 'm', 'v', 'w', 'residual_norm')
+  OFFLOADED_FIELDS = ('residual',)
 
 
-def init_local_state(variant: str, params, plan, per_worker) -> tuple:
-  """Each worker's moments of its own gradient, per compressed leaf: (m,)
-  for 'local_adams', (m, v, w) for `SMOOTH_V` (w: the moving average of
-  m^**2), else (m, v)."""
-  zeros = [optax.MaskedNode() if layout is None else
-           per_worker(jnp.zeros(p.shape, jnp.float32))
-           for p, layout in zip(jax.tree.leaves(params), plan.layouts)]
-  tree = plan.treedef.unflatten(zeros)
-  count = 1 if variant == 'local_adams' else 3 if variant in SMOOTH_V else 2
-  return (tree,) * count
+def scale_by_scape_local_adam(
+    density: Union[float, DensitySchedule],
+    *,
+    b1: float = _common.B1,
+    b2: float = _common.B2,
+    eps: float = _common.EPS,
+    clip_norm: Optional[float] = _common.CLIP_NORM,
+    axis_name: Optional[str] = DATA,
+    compress: MaskOrFn = None,
+    density_warmup_steps: int = 0,
+    mask_encoding: str = 'auto',
+    select: str = 'auto',
+    offset_bits: Union[str, int] = '32',
+) -> optax.GradientTransformationExtraArgs:
+  """Per-worker Adam whose pending updates travel on SCAPE's wire.
+
+  Args:
+    density: fraction of each compressed leaf sent per step, in (0, 1], or a
+      `DensitySchedule` (then `density_warmup_steps` must be 0).
+    b1: decay rate of the first moments, in (0, 1).
+    b2: decay rate of the second moments (v, w; AdamS's on dense leaves).
+    eps: term added to the denominator for numerical stability.
+    clip_norm: global-norm clip of each worker's own gradient; None: off.
+    axis_name: the data-parallel mesh axis; `None` means a single worker.
+    compress, density_warmup_steps, mask_encoding, select, offset_bits:
+      see `scale_by_scape`. The payload is float32 (the pending updates
+      have no rounding feedback of their own).
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` whose `update` takes the
+    static keyword `density_level`, as `scale_by_scape`'s does.
+
+  References:
+    SCAPE paper, Algorithm 1 (the wire); docs/results.md (the measurements
+    against AdamS and Algorithm 1).
+  """
+  if not 0.0 < b1:  # c = (1 - b1) / (1 + b1) < 1 (`smooth_v_mean`)
+    raise ValueError(f'scale_by_scape_local_adam: b1={b1!r} must be in '
+                     '(0, 1): its noise estimate divides by 1 - (1 - b1) / '
+                     '(1 + b1).')
+  schedule, hyper = _exchange.configure(
+      'scape_local_adam', density, density_warmup_steps, b1=b1, b2=b2,
+      eps=eps, clip_norm=clip_norm, axis_name=axis_name,
+      mask_encoding=mask_encoding, select=select, offset_bits=offset_bits)
+
+  def init_fn(params):
+    n, local = _common.axis_context('scape_local_adam init', axis_name)
+    plan = CompressionPlan.create(params, compress, n)
+    per_worker = functools.partial(_common.per_worker,
+                                   leading=1 if local else n,
+                                   axis_name=axis_name, local=local)
+    zeros = lambda p: jnp.zeros(p.shape, jnp.float32)  # noqa: E731
+    leaves = list(zip(jax.tree.leaves(params), plan.layouts))
+    sparse = plan.treedef.unflatten(
+        [optax.MaskedNode() if layout is None else per_worker(zeros(p))
+         for p, layout in leaves])
+    return ScaleByScapeLocalAdamState(
+        count=jnp.zeros([], jnp.int32),
+        mu=plan.treedef.unflatten(
+            [zeros(p) if layout is None else optax.MaskedNode()
+             for p, layout in leaves]),
+        residual=sparse, m=sparse, v=sparse, w=sparse,
+        residual_norm=per_worker(jnp.zeros([], jnp.float32)),
+        density=jnp.ones([], jnp.float32))
+
+  @_common.passes_empty_trees
+  def update_fn(updates, state, params=None, *, density_level=None, **extra):
+    del params, extra
+    n, _ = _common.axis_context('scape_local_adam update', axis_name)
+    plan = CompressionPlan.create(updates, compress, n)
+    _common.check_per_worker_state('scape_local_adam update',
+                                   state.residual_norm)
+    return _exchange.at_level(_update_at_level, updates, state, plan, hyper,
+                              schedule, density_level)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def update(grads, state, level: int, *, plan, hyper, schedule):
-  """One update of a `_scape_variants.LOCAL_OPTIMIZERS` variant at the k of
-  `level`."""
+def _update_at_level(grads, state: ScaleByScapeLocalAdamState, level: int, *,
+                     plan: CompressionPlan, hyper: _exchange.Hyper,
+                     schedule: DensitySchedule):
+  """One update whose payload has the k of density level `level`."""
+  del schedule  # the mask is chosen and used in this step
   flat = plan.treedef.flatten_up_to
   grad_leaves = [g.astype(jnp.float32) for g in flat(grads)]
   if hyper.clip_norm:  # each worker clips its own gradient
     grad_leaves = _scape_clip.clip(grad_leaves, hyper.clip_norm)
   count = optax.safe_increment(state.count)
-  sent, moments, current = _local_updates(grad_leaves, state, count, plan,
-                                          hyper)
-  k_levels = [None if layout is None else plan.k_per_level(j, hyper.levels)
-              for j, layout in enumerate(plan.layouts)]
+  sent, moments, scores = _local_updates(grad_leaves, state, count, plan,
+                                         hyper)
+  k_levels = _exchange.k_per_level(plan, hyper)
   k_now = [None if k is None else k[level] for k in k_levels]
-  scores = mask_scores(current, hyper.axis_name)
-  if hyper.variant in _THIS_STEP:  # this step's masks, from this step
-    shift = (count % plan.num_workers if hyper.variant in _ROTATING
-             else None)
-    own_mask = _scape._next_own_masks(scores, plan, k_levels, level, level,
+  shift = count % plan.num_workers  # worker n ranks chunk (n + t) % N
+  own_mask = _exchange.next_own_masks(scores, plan, k_levels, level, level,
                                       hyper, shift)
-    global_masks = _scape._exchange_masks(own_mask, plan, k_now, hyper,
+  global_masks = _exchange.exchange_masks(own_mask, plan, k_now, hyper,
                                           shift)
-    if shift is not None:  # the state keeps chunk n's mask, as for the rest
-      own_mask = _chunk_masks(own_mask, global_masks, hyper.axis_name)
-  else:  # Algorithm 1's: chosen at the previous step
-    global_masks = _scape._exchange_masks(flat(state.mask), plan, k_now,
-                                          hyper)
-    own_mask = _scape._next_own_masks(scores, plan, k_levels, level,
-                                      schedule.level(state.count + 1), hyper)
-  mean = _scape._exchange_payload(sent, plan, global_masks, hyper.axis_name)
+  mean = _exchange.exchange_payload(sent, plan, global_masks,
+                                    hyper.axis_name)
   direction, residual, mu = _apply(mean, sent, global_masks, flat(state.mu),
                                    count, plan, hyper)
 
   vary = functools.partial(varying, axis_name=hyper.axis_name)
-  per_worker = lambda x: optax.MaskedNode() if x is None else vary(x)
-  new_state = state._replace(
-      count=count,
-      mu=plan.treedef.unflatten(mu),
+  per_worker = lambda x: optax.MaskedNode() if x is None else vary(x)  # noqa: E731
+  m, v, w = (plan.treedef.unflatten([per_worker(x) for x in tree])
+             for tree in moments)
+  new_state = ScaleByScapeLocalAdamState(
+      count=count, mu=plan.treedef.unflatten(mu),
       residual=plan.treedef.unflatten([per_worker(r) for r in residual]),
-      mask=plan.treedef.unflatten([per_worker(o) for o in own_mask]),
+      m=m, v=v, w=w,
       residual_norm=vary(_norms.global_norm(residual)[None]),
-      density=jnp.asarray(hyper.levels[level], jnp.float32),
-      local_state=tuple(plan.treedef.unflatten(
-          [x if isinstance(x, optax.MaskedNode) else vary(x[None])
-           for x in tree]) for tree in moments))
+      density=jnp.asarray(hyper.levels[level], jnp.float32))
   direction = [d.astype(g.dtype) for d, g in zip(direction, flat(grads))]
   return plan.treedef.unflatten(direction), new_state
 
 
-def _chunk_masks(own_mask: list, global_masks: list, axis_name) -> list:
-  """Worker n's row (chunk n's bitmap) of each leaf's gathered masks; a
-  leaf dense at this level keeps its (all-ones) mask."""
-  worker = 0 if axis_name is None else jax.lax.axis_index(axis_name)
-  return [own if g is None else
-          jax.lax.dynamic_index_in_dim(g.words, worker, keepdims=True)
-          for own, g in zip(own_mask, global_masks)]
-
-
 def _local_updates(grad_leaves, state, count, plan, hyper) -> tuple:
-  """(payload per leaf, the new local moments, the current update u or,
-  for a `_SCORES` variant, the score its mask ranks by).
+  """(payload per leaf, the new (m, v, w) per leaf, the mask's scores).
 
-  A compressed leaf sends its pending update e + u (`LEAK` e + u for a
-  `_LEAKY` variant), where u is the worker's own direction (`_local_step`);
-  a dense leaf sends Algorithm 1's m~ = b1 m + (1 - b1) g in full (u: None).
+  A compressed leaf sends its pending update e + u, u the worker's own
+  direction (`local_step`); a dense leaf sends Algorithm 1's
+  m~ = b1 m + (1 - b1) g whole (no moments, no score: None).
   """
-  b1 = hyper.b1
   flat = plan.treedef.flatten_up_to
   mu, pending = flat(state.mu), flat(state.residual)
-  previous = [flat(tree) for tree in state.local_state]
-  sent, moments, current = [], tuple([] for _ in previous), []
+  previous = [flat(tree) for tree in (state.m, state.v, state.w)]
+  sent, moments, scores = [], ([], [], []), []
   for j, g in enumerate(grad_leaves):
     if plan.layouts[j] is None:
-      sent.append(b1 * mu[j] + (1.0 - b1) * g)
+      sent.append(hyper.b1 * mu[j] + (1.0 - hyper.b1) * g)
       for tree in moments:
-        tree.append(optax.MaskedNode())
-      current.append(None)
+        tree.append(None)
+      scores.append(None)
       continue
-    kept = pending[j][0]
-    if hyper.variant in _LEAKY:
-      kept = LEAK * kept
-    new, u, score = _local_step(g, [x[j][0] for x in previous], kept, count,
-                                plan.num_workers, hyper)
-    sent.append(kept + u)
+    new, u, score = local_step(g, *(x[j][0] for x in previous), count,
+                               plan.num_workers, b1=hyper.b1, b2=hyper.b2,
+                               eps=hyper.eps)
+    sent.append(pending[j][0] + u)
     for tree, x in zip(moments, new):
-      tree.append(x)
-    current.append(score)
-  return sent, moments, current
+      tree.append(x[None])
+    scores.append(score)
+  return sent, moments, scores
 
 
-def _local_step(g, previous: list, kept, count, num_workers: int,
-                hyper) -> tuple:
-  """(new moments, u, score): one worker's moments of one leaf from its
-  gradient `g`, its direction u and what its mask ranks (u, or a `_SCORES`
-  function of u, and for a `_PENDING_SCORED` variant of the pending update
-  `kept` + u too), per variant (`init_local_state` has the moments).
-  """
-  b1, b2, eps = hyper.b1, hyper.b2, hyper.eps
-  m = b1 * previous[0] + (1.0 - b1) * g
-  g_v = second_moment_gradient(g, hyper.axis_name)
-  if hyper.variant == 'local_adams':  # AdamS's v: no state of its own
-    v = b2 * previous[0] * previous[0] + (1.0 - b2) * g_v * g_v
-    u = _common.bias_corrected_direction(m, v, count, b1=b1, b2=b2, eps=eps)
-    return (m,), u, u
-  v = b2 * previous[1] + (1.0 - b2) * g_v * g_v
+def local_step(g, m, v, w, count, num_workers: int, *, b1, b2, eps) -> tuple:
+  """((m, v, w), u, score): one worker's moments of one leaf from its
+  gradient `g`, its direction u and what its next mask ranks."""
+  m = b1 * m + (1.0 - b1) * g
+  v = b2 * v + (1.0 - b2) * g * g
   c1, c2 = _common.bias_corrections(count, b1, b2)
-  if hyper.variant == 'local_adam_meanv':
-    u = mean_v_direction(m / c1, v / c2, num_workers, eps=eps)
-    return (m, v), u, u
-  if hyper.variant in SMOOTH_V:
-    m_hat = m / c1
-    w = b2 * previous[2] + (1.0 - b2) * m_hat * m_hat
-    u = smooth_v_direction(m_hat, v / c2, w / c2, num_workers, b1=b1,
-                           eps=eps)
-    if hyper.variant not in _SCORES:
-      return (m, v, w), u, u
-    noise = mean_update_noise(v / c2, w / c2, num_workers, b1=b1, eps=eps)
-    if hyper.variant in _PENDING_SCORED:
-      return (m, v, w), u, _SCORES[hyper.variant](u, noise, kept + u)
-    return (m, v, w), u, _SCORES[hyper.variant](u, noise)
-  u = _common.bias_corrected_direction(m, v, count, b1=b1, b2=b2, eps=eps)
-  return (m, v), u, u
-
-
-# The two statistics a worker computes from its own gradient alone. They
-# are functions so that the study can hand every worker the mean gradient's
-# instead (bench/fidelity_information.py), to measure what the local view
-# costs; nothing in the library replaces them.
-
-
-def mask_scores(current: list, axis_name) -> list:
-  """What each worker's next mask is the top-k of (per leaf, None where
-  not compressed): its own current update."""
-  del axis_name
-  return current
-
-
-def second_moment_gradient(g: jax.Array, axis_name) -> jax.Array:
-  """The gradient whose square the local v averages: the worker's own."""
-  del axis_name
-  return g
-
-
-def mean_v_direction(m_hat, v_hat, num_workers: int, *, eps):
-  """'local_adam_meanv's direction m^ / (sqrt(v_mean) + eps) from one
-  worker's bias-corrected moments m^, v^, where
-  v_mean = m^**2 + max(v^ - m^**2, 0) / N estimates the second moment of
-  the mean gradient over the N workers: m^**2 stands for the squared mean,
-  v^ - m^**2 for the worker's own gradient variance, which the mean of N
-  workers divides by N. With one worker v_mean = max(v^, m^**2): Adam's
-  direction wherever v^ >= m^**2, and |u| capped at 1 elsewhere."""
-  signal = m_hat * m_hat
-  v_mean = signal + jnp.maximum(v_hat - signal, 0.0) / num_workers
-  return m_hat / (jnp.sqrt(v_mean) + eps)
-
-
-def smooth_v_direction(m_hat, v_hat, w_hat, num_workers: int, *, b1, eps):
-  """'local_adam_smoothv's direction m^ / (sqrt(v_mean) + eps), v_mean
-  from `smooth_v_mean`. Unlike `mean_v_direction`'s, this v_mean is a moving
-  average, not a function of this step's m^, so |u| ranks a chunk by more
-  than m^**2 / v^. With one worker v_mean = max(v^, w^).
-  """
+  m_hat = m / c1
+  w = b2 * w + (1.0 - b2) * m_hat * m_hat
+  v_hat, w_hat = v / c2, w / c2
   v_mean = smooth_v_mean(v_hat, w_hat, num_workers, b1=b1)
-  return m_hat / (jnp.sqrt(v_mean) + eps)
+  u = m_hat / (jnp.sqrt(v_mean) + eps)
+  noise = mean_update_noise(v_hat, w_hat, num_workers, b1=b1, eps=eps)
+  return (m, v, w), u, shrunk_score(u, noise)
 
 
 def smooth_v_mean(v_hat, w_hat, num_workers: int, *, b1):
@@ -263,134 +227,12 @@ def smooth_v_mean(v_hat, w_hat, num_workers: int, *, b1):
   average of rate b1 keeps; so s2 ~ max(v^ - w^, 0) / (1 - c), and the
   mean gradient's second moment mu**2 + s2 / N is
   w^ + (1 / N - c) / (1 - c) * max(v^ - w^, 0), kept at least v^ / N (the
-  steps at most sqrt(N) times Adam's).
+  steps at most sqrt(N) times Adam's). With one worker, max(v^, w^).
   """
   c = (1.0 - b1) / (1.0 + b1)
   spread = jnp.maximum(v_hat - w_hat, 0.0)
   v_mean = w_hat + (1.0 / num_workers - c) / (1.0 - c) * spread
   return jnp.maximum(v_mean, v_hat / num_workers)
-
-
-def debiased_score(u, noise):
-  """What 'local_adam_debiased' ranks a chunk by: max(x, 0) + 1e-3 u**2,
-  where x = u**2 - `noise` is an unbiased estimate of the square of the
-  workers' mean update. x is clamped at 0 (a square is not negative), and
-  the coordinates clamped there are ranked by u**2 with weight 1e-3. With
-  one worker it ranks as |u| does.
-  """
-  return jnp.maximum(u * u - noise, 0.0) + 1e-3 * (u * u)
-
-
-def shrunk_score(u, noise):
-  """What 'local_adam_shrunk' ranks a chunk by: |u| / (tau2 + `noise`).
-
-  Empirical Bayes: with the workers' mean update a priori N(0, tau2) over
-  the leaf and u = mean + noise of variance `noise`, the posterior mean of
-  the mean update is u tau2 / (tau2 + noise), and tau2 is estimated as
-  mean(u**2) - mean(noise) over the leaf (at least 1e-12); the top-k of the
-  posterior mean's magnitude is the top-k of this score. Unlike
-  `debiased_score`, a coordinate's noisy |u| cannot outrank a quieter
-  one's by its noise alone. With one worker it ranks as |u| does.
-  """
-  return jnp.abs(u) / (_leaf_prior_variance(u, noise) + noise)
-
-
-# The fraction of `mean_update_noise` that `tempered_score` assumes.
-TEMPER = 0.5
-
-
-def tempered_score(u, noise):
-  """What 'local_adam_tempered' ranks a chunk by: `shrunk_score` with the
-  noise variance multiplied by `TEMPER` (1/2), in the posterior and in
-  tau2's estimate alike: |u| / (tau2' + noise / 2), where
-  tau2' = mean(u**2) - mean(noise) / 2.
-
-  A milder discount of noisy coordinates than the posterior mean's. The
-  constant was chosen by measurement (docs/design.md, "SCAPE variants
-  'local_adam_tempered', 'local_adam_leaky'"), not derived. With one worker it ranks as |u|
-  does.
-  """
-  return shrunk_score(u, TEMPER * noise)
-
-
-def gain_score(u, noise, pending):
-  """What 'local_adam_gain' ranks a chunk by: max(p_post * `pending`, 0),
-  where p_post = u tau2 / (tau2 + `noise`) is `shrunk_score`'s posterior
-  mean of the workers' mean update.
-
-  To first order, in Adam's preconditioned metric, applying the pending
-  update e + u at a coordinate lowers the loss by the mean update there
-  times e + u: this score is that gain, with the mean update estimated by
-  its posterior mean. Unlike a score of u alone, a coordinate whose
-  update keeps its sign gains priority as its pending update grows with
-  the steps it waits; one whose pending update now points against its
-  update scores 0 (its ties fall to the lower offsets). With one worker
-  p_post = u.
-  """
-  tau2 = _leaf_prior_variance(u, noise)
-  return jnp.maximum(u * (tau2 / (tau2 + noise)) * pending, 0.0)
-
-
-def row_shrunk_score(u, noise):
-  """What 'local_adam_rowshrunk' ranks a chunk by: `shrunk_score` with the
-  prior's variance estimated per row (over the last axis) instead of over
-  the leaf: |u| / (tau2_row + `noise`), where
-  tau2_row = mean(u**2) - mean(`noise`) over the row, at least 1e-12.
-
-  A row of a kernel (one input feature; one token of an embedding) has its
-  own scale of signal, so one prior per leaf shrinks the rows with much
-  signal as hard as the rows with little. With one worker it ranks as |u|
-  does.
-  """
-  return jnp.abs(u) / (_leaf_prior_variance(u, noise, axis=-1) + noise)
-
-
-def _leaf_prior_variance(u, noise, axis=None):
-  """tau2 = mean(u**2) - mean(`noise`) over the leaf (or, with `axis`, over
-  that axis, kept for broadcasting), at least 1e-12: the variance of the
-  workers' mean update, estimated by moments."""
-  keep = axis is not None
-  return jnp.maximum(jnp.mean(u * u, axis=axis, keepdims=keep) -
-                     jnp.mean(noise, axis=axis, keepdims=keep), 1e-12)
-
-
-# EM iterations `slab_score` fits its prior with.
-SLAB_ITERATIONS = 5
-
-
-def slab_score(u, noise):
-  """What 'local_adam_slab' ranks a chunk by: the magnitude of the posterior
-  mean of the workers' mean update under a spike-and-slab prior.
-
-  Empirical Bayes as in `shrunk_score`, with a prior that has a spike: over
-  the leaf the mean update is 0 with probability 1 - pi and N(0, t)
-  with probability pi, and u is it plus noise of variance `noise`. pi and t
-  are fitted to the leaf's u by `SLAB_ITERATIONS` steps of EM from pi = 1/2,
-  t = 2 tau2 (`shrunk_score`'s tau2). The posterior mean is
-  r u t / (t + noise), r the posterior probability of the slab: a large |u|
-  is mostly signal (r near 1, shrunk by t / (t + noise) with t larger than
-  tau2), a small one mostly noise. With pi = 1 the prior is
-  `shrunk_score`'s normal; with one worker (no noise) it ranks as |u| does.
-  """
-  n = jnp.maximum(noise, 1e-12)
-  u2 = u * u
-  pi = jnp.asarray(0.5, jnp.float32)
-  t = 2.0 * _leaf_prior_variance(u, noise)
-  for _ in range(SLAB_ITERATIONS):
-    r = _slab_probability(u2, n, pi, t)
-    s = t / (t + n)  # the slab's posterior: mean s u, variance s n
-    pi = jnp.clip(jnp.mean(r), 1e-4, 1.0)
-    t = jnp.maximum(jnp.sum(r * (s * s * u2 + s * n)) /
-                    jnp.maximum(jnp.sum(r), 1e-12), 1e-12)
-  return _slab_probability(u2, n, pi, t) * jnp.abs(u) * t / (t + n)
-
-
-def _slab_probability(u2, n, pi, t):
-  """P(slab | u) for u**2 = `u2`: the sigmoid of the log-odds
-  log(pi / (1 - pi)) + log N(u; 0, t + n) - log N(u; 0, n)."""
-  logit = (jnp.log(pi) - jnp.log1p(-jnp.minimum(pi, 1.0 - 1e-6))
-           + 0.5 * jnp.log(n / (t + n)) + 0.5 * u2 * (1.0 / n - 1.0 / (t + n)))
-  return jax.nn.sigmoid(logit)
 
 
 def mean_update_noise(v_hat, w_hat, num_workers: int, *, b1, eps):
@@ -406,6 +248,20 @@ def mean_update_noise(v_hat, w_hat, num_workers: int, *, b1, eps):
   scale = jnp.sqrt(smooth_v_mean(v_hat, w_hat, num_workers, b1=b1)) + eps
   s2 = jnp.maximum(v_hat - w_hat, 0.0) / (1.0 - c)
   return c * (1.0 - 1.0 / num_workers) * s2 / (scale * scale)
+
+
+def shrunk_score(u, noise):
+  """What the mask ranks a chunk by: |u| / (tau2 + `noise`).
+
+  Empirical Bayes: with the workers' mean update a priori N(0, tau2) over
+  the leaf and u = mean + noise of variance `noise`, the posterior mean of
+  the mean update is u tau2 / (tau2 + noise), and tau2 is estimated as
+  mean(u**2) - mean(noise) over the leaf (at least 1e-12); the top-k of the
+  posterior mean's magnitude is the top-k of this score. With one worker
+  (no noise) it ranks as |u| does.
+  """
+  tau2 = jnp.maximum(jnp.mean(u * u) - jnp.mean(noise), 1e-12)
+  return jnp.abs(u) / (tau2 + noise)
 
 
 def _apply(mean, sent, global_masks, mu, count, plan, hyper) -> tuple:
@@ -425,7 +281,7 @@ def _apply(mean, sent, global_masks, mu, count, plan, hyper) -> tuple:
       residual.append(None)
       mu_out.append(bbar)
       continue
-    mu_out.append(mu[j])  # unused (zero) on compressed leaves
+    mu_out.append(optax.MaskedNode())
     if mask is None:
       direction.append(values.reshape(shape))
       residual.append(jnp.zeros((1,) + shape, jnp.float32))
@@ -436,12 +292,68 @@ def _apply(mean, sent, global_masks, mu, count, plan, hyper) -> tuple:
   return direction, residual, mu_out
 
 
-# The score of each `_SCORED` variant, a function of u and its noise
-# (`mean_update_noise`).
-_SCORES = {'local_adam_debiased': debiased_score,
-           'local_adam_shrunk': shrunk_score,
-           'local_adam_tempered': tempered_score,
-           'local_adam_slab': slab_score,
-           'local_adam_leaky': shrunk_score,
-           'local_adam_gain': gain_score,
-           'local_adam_rowshrunk': row_shrunk_score}
+def scape_local_adam(
+    learning_rate: ScalarOrSchedule,
+    *,
+    density: Union[float, DensitySchedule],
+    b1: float = _common.B1,
+    b2: float = _common.B2,
+    eps: float = _common.EPS,
+    weight_decay: float = _common.WEIGHT_DECAY,
+    clip_norm: Optional[float] = _common.CLIP_NORM,
+    axis_name: Optional[str] = DATA,
+    compress: MaskOrFn = None,
+    density_warmup_steps: int = 0,
+    mask_encoding: str = 'auto',
+    select: str = 'auto',
+    offset_bits: Union[str, int] = '32',
+    weight_decay_mask: MaskOrFn = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Per-worker Adam on SCAPE's wire, then weight decay and the learning rate.
+
+  Same collectives and bytes per step as `scape` (Algorithm 1). Where the
+  paper's algorithm trails AdamS at small scale, this mode comes within a
+  few percent of it at the same bytes (docs/results.md). Call `update`
+  inside `shard_map` with the worker's local gradients.
+
+  Args:
+    learning_rate: a float >= 0 or an optax schedule (None: no scaling).
+    density: fraction of each compressed leaf sent per step, in (0, 1], or a
+      `DensitySchedule`.
+    b1, b2, eps, clip_norm, axis_name, compress, density_warmup_steps,
+      mask_encoding, select, offset_bits: see `scale_by_scape_local_adam`.
+    weight_decay: decoupled weight-decay strength, >= 0.
+    weight_decay_mask: optional tree or callable of bools selecting the leaves
+      that get weight decay.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`.
+
+  References:
+    SCAPE paper, Algorithm 1 (the wire); docs/design.md.
+  """
+  return optax.chain(
+      scale_by_scape_local_adam(
+          density, b1=b1, b2=b2, eps=eps, clip_norm=clip_norm,
+          axis_name=axis_name, compress=compress,
+          density_warmup_steps=density_warmup_steps,
+          mask_encoding=mask_encoding, select=select,
+          offset_bits=offset_bits),
+      _common.add_decayed_weights('scape_local_adam', weight_decay,
+                                  weight_decay_mask),
+      _common.scale_by_learning_rate('scape_local_adam', learning_rate),
+  )
+
+
+def _is_state(x) -> bool:
+  return isinstance(x, ScaleByScapeLocalAdamState)
+
+
+def scape_local_adam_stats(opt_state) -> dict:
+  """`scape_stats` of the first `ScaleByScapeLocalAdamState`, or {}."""
+  found = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_state)
+           if _is_state(s)]
+  if not found:
+    return {}
+  return {'density': found[0].density,
+          'residual_norm': found[0].residual_norm}

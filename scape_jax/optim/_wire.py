@@ -1,6 +1,6 @@
 """SCAPE's payload exchange with the values in 16 bits (`payload_dtype`).
 
-The fp32 exchange (`_scape._exchange_payload`) `pmean`s one buffer of every
+The fp32 exchange (`_exchange.exchange_payload`) `pmean`s one buffer of every
 leaf's values. Here the compressed leaves' values go through
 `comm.payload.owner_mean` in bfloat16 or float16, with every rounding fed
 back into the worker's residual; the leaves that are never compressed (norm

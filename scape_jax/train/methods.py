@@ -8,8 +8,7 @@ Each method declares, in one `MethodSpec` registered here:
 * `build`: how its optax transformation is made from the common optimizer
   keys, its section and the learning-rate schedule, and which static keyword
   arguments `tx.update` takes at each step (SCAPE's density level, Radius's
-  dense/sparse/resample step kind; later DiLoCo's inner/outer step). Each
-  distinct value is one compiled program;
+  step kind, DiLoCo's phase): each distinct value is one compiled program;
 * `supports_fsdp` and `per_replica`: the parameter layouts it runs on
   (`scape_jax.sharding.Layout`);
 * `stats`: what it reports in the metrics besides loss and gradient norm.
@@ -37,6 +36,7 @@ from scape_jax.optim import _radius as radius_lib
 from scape_jax.optim import _replica as replica_lib
 from scape_jax.optim import _scape as scape_lib
 from scape_jax.optim import _scape_dist as scape_dist_lib
+from scape_jax.optim import _scape_local_adam as scape_local_adam_lib
 from scape_jax.optim._common import compress_except
 from scape_jax.comm.axes import DATA, FSDP_AXES, REPLICA
 from scape_jax.sharding import memory as sharding_memory
@@ -60,8 +60,7 @@ class Built(NamedTuple):
   # (abstract) opt_state -> its memory kind per leaf ('device',
   # 'pinned_host'); None: every leaf in device memory.
   memory_kinds: Optional[Callable[[Any], Any]] = None
-  # opt_state -> the statistics to log; None: the spec's `stats`. An outer
-  # method sets it to its inner method's.
+  # opt_state -> the statistics to log; None: the spec's `stats`.
   stats: Optional[Callable[[Any], dict]] = None
   # count -> what the state after `count` updates holds that the schedule
   # chose (SCAPE: the density of its next masks); a run resumed under a
@@ -83,11 +82,9 @@ class MethodSpec:
   stats: Callable[[Any], dict] = lambda opt_state: {}
   summary: str = ''  # one line for `--help`-style listings
   # (common keys, its section, total steps) -> a message per setting that
-  # has no effect when this method is selected (a mistake; see
-  # `no_effect`). Not a build check: every section is built.
+  # has no effect when this method is selected (a mistake; `no_effect`).
   no_effect: Optional[Callable[[Any, Any, int], list]] = None
-  # Common optimizer keys this method does not read (noted at start), and
-  # why.
+  # Common optimizer keys this method does not read (noted at start), why.
   unread: tuple = ()
   unread_why: str = ''
 
@@ -261,25 +258,22 @@ register(MethodSpec('adams', _build_adams, supports_fsdp=True, dense=True,
 class ScapeConfig:
   density: float = 0.01  # Fraction of each compressed leaf sent, in (0, 1].
   density_warmup_steps: int = 0  # Exponential warmup from density 1.
-  # Its levels, each one compiled program (at most; >= 2).
-  density_levels: int = 8
+  density_levels: int = 8  # Warmup levels, one program each (>= 2).
   mask_encoding: str = 'auto'  # One of comm.masks.ENCODINGS.
   select: str = 'auto'  # Top-k of the next mask, one of comm.topk.SELECTS.
   offload: bool = False  # The residual in host memory between steps.
   offload_kind: str = sharding_memory.HOST  # Its memory kind when offloaded.
-  # Distributed-optimizer mode (Algorithm 2): m split over the workers.
-  distributed: bool = False
+  distributed: bool = False  # Algorithm 2: m split over the workers.
   # An authoritative fp32 copy of the parameters in the state (offloaded with
   # offload=True); the step's parameters (model.param_dtype) are its cast.
   fp32_replica: bool = False
   # Payload values on the wire: 'float32', 'bfloat16' or 'float16'.
   payload_dtype: str = 'float32'
   offset_bits: str = '32'  # Offsets on the wire: '32', '16' or 'auto'.
-  # 'faithful' (Alg. 1) or one of `optim._scape_variants.VARIANTS` (design).
-  variant: str = 'faithful'
-  # Comma-separated parts of parameter paths (e.g. 'embed_tokens'), '' none:
-  # leaves sent whole every step, as norms and biases are; leaves whose
-  # entries are dealt round-robin over the chunks (optim._interleave, Alg. 1).
+  local_adam: bool = False  # Per-worker Adam (`scape_local_adam`).
+  # Comma-separated parts of parameter paths ('embed_tokens'; '' none): leaves
+  # sent whole every step, as norms and biases are; leaves whose entries are
+  # dealt round-robin over the chunks (optim._interleave).
   dense_leaves: str = ''
   interleaved_leaves: str = ''
 
@@ -288,11 +282,7 @@ def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
   schedule = scape_lib.DensitySchedule(section.density,
                                        section.density_warmup_steps,
                                        section.density_levels)
-  alias = scape_dist_lib.scape_dist if section.distributed else scape_lib.scape
-  if section.distributed and section.variant != 'faithful':
-    raise ValueError(f'scape: variant={section.variant!r} is for Algorithm 1; '
-                     'distributed=True allows only variant=\'faithful\'.')
-  variant = {} if section.distributed else {'variant': section.variant}
+  alias, wire = _scape_alias(section)
   tx = alias(
       lr, density=schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
       weight_decay=cfg.weight_decay,
@@ -300,9 +290,9 @@ def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
       axis_name=ctx.axis_name, compress=compress_except(
           section.dense_leaves.split(','), 'optimizer.scape.dense_leaves'),
       mask_encoding=section.mask_encoding,
-      select=section.select, **_wire_options(section), **variant)
+      select=section.select, **wire)
   tx = interleave_lib.interleave_named(
-      tx, section.interleaved_leaves, ctx.axis_name, variant=section.variant,
+      tx, section.interleaved_leaves, ctx.axis_name,
       distributed=section.distributed)
   if section.fp32_replica:
     tx = replica_lib.with_fp32_replica(tx)
@@ -314,19 +304,31 @@ def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
                    'density': schedule.levels[schedule.level(count)]})
 
 
-def _wire_options(section: ScapeConfig) -> dict:
-  """The half-width wire's options; Algorithm 2 has only the fp32 wire."""
-  options = {'payload_dtype': section.payload_dtype,
-             'offset_bits': section.offset_bits}
+def _scape_alias(section: ScapeConfig) -> tuple:
+  """(alias, its wire's options): Algorithm 1, Algorithm 2 (`distributed`:
+  fp32 values and int32 offsets only) or per-worker Adam (fp32 values)."""
+  wire = {'payload_dtype': section.payload_dtype,
+          'offset_bits': section.offset_bits}
+  if section.local_adam and section.distributed:
+    raise ValueError('optimizer.scape.local_adam=True with distributed=True: '
+                     'Algorithm 2 splits the first moment, which local_adam '
+                     'keeps per worker; allowed: one of them.')
+  if section.local_adam:
+    if section.payload_dtype != 'float32':
+      raise ValueError(
+          'optimizer.scape.local_adam=True sends float32 values; got '
+          f"payload_dtype={section.payload_dtype!r} (allowed: 'float32')")
+    return scape_local_adam_lib.scape_local_adam, {
+        'offset_bits': section.offset_bits}
   if not section.distributed:
-    return options
+    return scape_lib.scape, wire
   if (section.payload_dtype, str(section.offset_bits)) != ('float32', '32'):
     raise ValueError(
         'optimizer.scape.distributed=True sends fp32 values and int32 '
         f'offsets only; got payload_dtype={section.payload_dtype!r}, '
         f'offset_bits={section.offset_bits!r} (allowed with distributed: '
         "'float32' and '32')")
-  return {}
+  return scape_dist_lib.scape_dist, {}
 
 
 def _scape_no_effect(cfg, section: ScapeConfig, total_steps: int) -> list:
@@ -346,13 +348,12 @@ def _scape_no_effect(cfg, section: ScapeConfig, total_steps: int) -> list:
   return problems
 
 
-def _scape_stats(opt_state) -> dict:
-  return (scape_lib.scape_stats(opt_state) or
-          scape_dist_lib.scape_dist_stats(opt_state))
-
-
 register(MethodSpec('scape', _build_scape, section=ScapeConfig,
-                    stats=_scape_stats, no_effect=_scape_no_effect,
+                    stats=lambda s: (
+                        scape_lib.scape_stats(s) or
+                        scape_local_adam_lib.scape_local_adam_stats(s) or
+                        scape_dist_lib.scape_dist_stats(s)),
+                    no_effect=_scape_no_effect,
                     summary='AdamS with a top-k sparsified, error-fed first '
                     'moment (SCAPE Algorithm 1)'))
 

@@ -327,13 +327,13 @@ def build_program(cfg: Config, devices=None) -> Program:
 def _check_select(cfg: Config, platform: str) -> None:
   """SCAPE's Pallas selections need a GPU or TPU inside the train step."""
   for spec, section in methods.selected(cfg.optimizer):
-    if (spec.name == 'scape' and section.select.startswith('pallas') and
+    if (spec.name == 'scape' and section.select == 'pallas_radix' and
         platform == 'cpu'):
       raise ConfigError(
           f'optimizer.scape.select={section.select!r} runs Pallas kernels, '
           'which SCAPE\'s train step can run on a GPU or TPU only (on the '
           "CPU, Pallas' interpreter does not run inside shard_map); on cpu "
-          "use 'auto', 'threshold', 'radix', 'sort' or 'sort_keys'")
+          "use 'auto', 'threshold' or 'sort'")
 
 
 def param_count(program: Program) -> int:
@@ -406,8 +406,8 @@ def _print_memory(report: dict) -> None:
             'places them in host memory)')
 
 
-# SCAPE's Pallas selections and their jnp twins (the same passes in jnp).
-_JNP_TWIN = {'pallas': 'threshold', 'pallas_radix': 'radix'}
+# SCAPE's Pallas selection and its jnp twin on CPU devices (the same bits).
+_JNP_TWIN = {'pallas_radix': 'threshold'}
 
 
 def _cpu_twin(cfg: Config, platform: str) -> tuple:
@@ -423,9 +423,9 @@ def _cpu_twin(cfg: Config, platform: str) -> tuple:
   twin = dataclasses.replace(
       cfg, optimizer=dataclasses.replace(cfg.optimizer, scape=scape))
   return twin, (f'dry run on cpu devices: optimizer.scape.select={select!r} '
-                f'is compiled as {_JNP_TWIN[select]!r}, the same search in '
-                'jnp (same collectives; its Pallas kernels run on a GPU or '
-                'TPU only)')
+                f'is compiled as {_JNP_TWIN[select]!r}, the CPU\'s jnp '
+                'search (the same bits and collectives; its Pallas kernels '
+                'run on a GPU or TPU only)')
 
 
 def program_key(program: Program, count: int) -> tuple:
