@@ -28,49 +28,8 @@ from scape_jax.train import step as step_lib
 from scape_jax.train.checkpoint import Checkpointer
 from scape_jax.train.metrics import MetricsLogger, Progress, plot_loss
 from scape_jax.train import program as program_lib
-from scape_jax.train.program import Program, build_program, program_key
-
-
-class StepPrograms:
-  """Compiles each distinct train-step program once (e.g. one per SCAPE level).
-
-  A program is keyed by the method's static update arguments for the update
-  after `count` updates: the optimizer's count, which a skipped step does
-  not advance (`guard.InFlightSteps.updates_before`).
-  """
-
-  def __init__(self, program: Program):
-    self._program = program
-    self._compiled = {}
-
-  def key(self, count: int) -> tuple:
-    """The program of the update after `count`: its sorted static args."""
-    return program_key(self._program, count)
-
-  def __call__(self, count: int):
-    """(executable, bytes sent per device) for the update after `count`."""
-    key = self.key(count)
-    if key not in self._compiled:
-      exe = self._program.compile_step(count)
-      self._compiled[key] = exe, analysis.collectives_from_hlo(exe.as_text())
-    exe, cols = self._compiled[key]
-    return exe, analysis.bytes_sent(cols)
-
-  def first_counts(self, start: int, end: int) -> dict:
-    """{program key: the first of the counts start..end-1 that runs it}."""
-    firsts = {}
-    for count in range(start, end):
-      firsts.setdefault(self.key(count), count)
-    return firsts
-
-  def compile_all(self, start: int, end: int) -> None:
-    """Compiles every program that the updates after start..end-1 use."""
-    for count in self.first_counts(start, end).values():
-      self(count)
-
-  def collectives(self, count: int):
-    self(count)
-    return self._compiled[self.key(count)][1]
+from scape_jax.train.compiled import StepPrograms
+from scape_jax.train.program import Program, build_program
 
 
 class _DataFeed:
@@ -309,9 +268,10 @@ def _checkpoint_due(cfg: config_lib.Config, done: int) -> bool:
 
 
 def _summarize(cfg, reporter: _Reporter, start: int,
-               eval_loss: Optional[float]) -> dict:
+               eval_loss: Optional[float], compile_s: float) -> dict:
   history = reporter.history
   summary = {'steps': cfg.steps, 'start_step': start,
+             'first_program_s': compile_s,
              'skipped_steps': reporter.skipped_steps,
              'first_loss': history[0] if history else None,
              'final_loss': history[-1] if history else None,
@@ -369,9 +329,12 @@ def train(cfg: config_lib.Config, devices=None, *,
   if start and leader:
     print(f'resumed from {cfg.out_dir}/ckpt step {start}')
   programs = StepPrograms(program)
-  programs.compile_all(updates, cfg.steps)  # every program, before timing
+  compile_s = programs.start(updates, cfg.steps, say=(
+      lambda line: print(line, flush=True)) if leader else None)
+  reporter.logger.log(start, {'first_program_s': compile_s, 'programs': len(
+      programs.first_counts(updates, cfg.steps))}, prefix='compile')
   if leader:
-    _print_collectives(programs, updates, cfg.steps)
+    _print_collectives(programs, updates)
   # A signal after the last step (final eval, the wait for the last save)
   # is held too: the run finishes and saves; a second one kills at once.
   with preemption.StopSignals() as signals:
@@ -381,22 +344,19 @@ def train(cfg: config_lib.Config, devices=None, *,
                                program.mesh),
                         signals)
     finally:
+      programs.close()
       ckpt.close()
       reporter.close()
-  return _summarize(cfg, reporter, start, last_eval)
+  return _summarize(cfg, reporter, start, last_eval, compile_s)
 
 
-def _print_collectives(programs: StepPrograms, start: int, end: int) -> None:
-  """Each program's collectives, the last step's first. With several
-  programs (e.g. DiLoCo's inner and sync steps) each table's header names
-  its static arguments: `collectives of the train step (phase=sync), ...`."""
-  last = programs.key(end - 1)
-  firsts = {last: end - 1, **programs.first_counts(start, end)}
-  for key, count in firsts.items():
-    label = (f' ({", ".join(f"{k}={v}" for k, v in key)})'
-             if len(firsts) > 1 else '')
-    print(f'collectives of the train step{label}, per device per step:')
-    print(analysis.format_table(programs.collectives(count)))
+def _print_collectives(programs: StepPrograms, start: int) -> None:
+  """The collectives of the first program (the others compile while the
+  run trains; `--dry-run` prints the steady state's)."""
+  key = programs.key(start)
+  label = (f' ({", ".join(f"{k}={v}" for k, v in key)})' if key else '')
+  print(f'collectives of the train step{label}, per device per step:')
+  print(analysis.format_table(programs.collectives(start)))
 
 
 def _loop(cfg, program: Program, programs: StepPrograms, feed: _DataFeed,
@@ -419,6 +379,7 @@ def _loop(cfg, program: Program, programs: StepPrograms, feed: _DataFeed,
       # The program of the optimizer's count, not of the step number: a
       # skipped step does not advance the count (guard.py).
       fn, nbytes = programs(in_flight.updates_before(step, programs.key))
+      reporter.exclude(programs.take_waited())  # a compile, not a step
       params, opt_state, metrics = fn(params, opt_state, feed.next())
       done = step + 1
       # Copies: the next step donates (and deletes) the state's buffers.

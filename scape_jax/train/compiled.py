@@ -1,0 +1,127 @@
+"""The run's compiled train-step programs, the first before step 1 and the
+rest in the background.
+
+A method whose update takes static arguments runs several programs (SCAPE:
+one per density level of its warmup; Radius: its dense, sparse and resample
+steps; DiLoCo and Pier: inner and sync steps). Compiling them all before the
+first step kept a run's devices idle for minutes (docs/benchmarks.md, "Time
+to the first step"). `StepPrograms.start` compiles the program of the first
+update, and submits the others to one background thread in the order the run
+reaches them; the loop waits for a program only if it arrives before its
+compile has finished, and that wait is not counted in the step times
+(`take_waited`). The programs are the same: the numbers are bit for bit
+those of compiling them all first.
+"""
+
+import concurrent.futures
+import threading
+import time
+from typing import Callable, Optional
+
+from scape_jax import analysis
+from scape_jax.train.program import Program, program_key
+
+
+class StepPrograms:
+  """Compiles each distinct train-step program once (e.g. one per SCAPE level).
+
+  A program is keyed by the method's static update arguments for the update
+  after `count` updates: the optimizer's count, which a skipped step does
+  not advance (`guard.InFlightSteps.updates_before`).
+  """
+
+  def __init__(self, program: Program):
+    self._program = program
+    self._futures = {}
+    self._lock = threading.Lock()
+    self._pool = concurrent.futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix='compile')
+    self.seconds = {}  # program key -> its compile time, in seconds
+    self._waited = 0.0
+
+  def key(self, count: int) -> tuple:
+    """The program of the update after `count`: its sorted static args."""
+    return program_key(self._program, count)
+
+  def _compile(self, key: tuple, count: int) -> tuple:
+    t = time.perf_counter()
+    exe = self._program.compile_step(count)
+    cols = analysis.collectives_from_hlo(exe.as_text())
+    self.seconds[key] = time.perf_counter() - t
+    return exe, cols
+
+  def submit(self, count: int) -> concurrent.futures.Future:
+    """The future of the update after `count`'s program (compiled in the
+    background thread, once)."""
+    key = self.key(count)
+    with self._lock:
+      if key not in self._futures:
+        self._futures[key] = self._pool.submit(self._compile, key, count)
+      return self._futures[key]
+
+  def __call__(self, count: int):
+    """(executable, bytes sent per device) for the update after `count`;
+    waits for its compile if it is still running."""
+    future = self.submit(count)
+    t = time.perf_counter()
+    exe, cols = future.result()
+    self._waited += time.perf_counter() - t
+    return exe, analysis.bytes_sent(cols)
+
+  def take_waited(self) -> float:
+    """Seconds spent waiting for compiles since the last call."""
+    waited, self._waited = self._waited, 0.0
+    return waited
+
+  def first_counts(self, start: int, end: int) -> dict:
+    """{program key: the first of the counts start..end-1 that runs it}."""
+    firsts = {}
+    for count in range(start, end):
+      firsts.setdefault(self.key(count), count)
+    return firsts
+
+  def start(self, start: int, end: int,
+            say: Optional[Callable[[str], None]] = None) -> float:
+    """Compiles the program of the update after `start` now and queues the
+    others that the updates after start..end-1 use; returns the seconds to
+    the first program. `say` (None: silent) gets one line before and one
+    after."""
+    firsts = sorted(self.first_counts(start, end).values())
+    t = time.perf_counter()
+    if say:
+      rest = (f', then {len(firsts) - 1} more in the background while it '
+              'trains' if len(firsts) > 1 else '')
+      say(f'compiling the train step: {len(firsts)} program'
+          f'{"s" if len(firsts) > 1 else ""} ({_keys(self, firsts)}), the '
+          f'first now{rest}')
+    for count in firsts:
+      self.submit(count)
+    self.submit(firsts[0]).result()
+    seconds = time.perf_counter() - t
+    if say:
+      say(f'compiled the first program in {seconds:.1f} s')
+    return seconds
+
+  def wait_all(self) -> None:
+    """Waits for every queued compile (re-raising its error)."""
+    for future in list(self._futures.values()):
+      future.result()
+
+  def collectives(self, count: int):
+    self(count)
+    return self._futures[self.key(count)].result()[1]
+
+  def close(self) -> None:
+    """Drops the compiles not started yet; a running one finishes."""
+    self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _keys(programs: StepPrograms, counts: list) -> str:
+  """The programs' static arguments, e.g. 'density_level=0..7'."""
+  keys = [programs.key(c) for c in counts]
+  if not keys or not keys[0]:
+    return 'no static arguments'
+  if len(keys[0]) == 1 and all(len(k) == 1 for k in keys):
+    name = keys[0][0][0]
+    return f'{name}=' + ','.join(str(k[0][1]) for k in keys)
+  return '; '.join(', '.join(f'{n}={v}' for n, v in k) for k in keys)
