@@ -287,3 +287,29 @@ def test_compress_except_refuses_parts_that_are_not_strings(parts):
   with pytest.raises(ValueError, match=r'compress_except: parts=.* must be a '
                      r'str or a list or tuple of str'):
     scape_jax.compress_except(parts)
+
+
+def test_each_method_reports_the_statistics_of_its_own_state():
+  """`*_stats` find their state inside a chain, and only theirs."""
+  params = {'w': jnp.ones((16, 8)), 'b': jnp.zeros((8,))}
+  states = {
+      name: optax.chain(optax.clip(1.0), tx).init(params)
+      for name, tx in (
+          ('scape', scape_jax.scale_by_scape(0.25, axis_name=None)),
+          ('local', scape_jax.scale_by_scape_local_adam(0.25,
+                                                        axis_name=None)),
+          ('radius', scape_jax.scale_by_radius(0.25, axis_name=None)),
+          ('demo', scape_jax.scale_by_demo(axis_name=None)))}
+  stats = {'scape': scape_jax.scape_stats,
+           'local': scape_jax.optim.scape_local_adam_stats,
+           'radius': scape_jax.radius_stats, 'demo': scape_jax.demo_stats}
+  keys = {'scape': {'density', 'residual_norm'},
+          'local': {'density', 'residual_norm'},
+          'radius': {'residual_norm'}, 'demo': {'momentum_norm'}}
+  for name, fn in stats.items():
+    for other, state in states.items():
+      got = fn(state)
+      assert set(got) == (keys[name] if other == name else set()), (
+          name, other)
+  assert float(scape_jax.scape_stats(states['scape'])['density']) == 1.0
+  assert scape_jax.scape_stats(states['scape'])['residual_norm'].shape == (1,)

@@ -294,6 +294,16 @@ def passes_empty_trees(update_fn: Callable) -> Callable:
   return wrapped
 
 
+def state_stats(opt_state, state_type: type, fields: Sequence[str]) -> dict:
+  """`fields` of the first `state_type` inside `opt_state` (a method's
+  statistics for the metrics), or {} if it holds none."""
+  is_state = lambda x: isinstance(x, state_type)  # noqa: E731
+  for s in jax.tree.leaves(opt_state, is_leaf=is_state):
+    if is_state(s):
+      return {f: getattr(s, f) for f in fields}
+  return {}
+
+
 def at_density_level(step: Callable[[int], Any], density_level,
                      levels: Sequence[float], scheduled_level):
   """`step(level)` at the trainer's static `density_level` if given, else at

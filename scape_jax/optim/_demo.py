@@ -409,12 +409,6 @@ def demo(
   )
 
 
-def _is_demo_state(x) -> bool:
-  return isinstance(x, ScaleByDemoState)
-
-
 def demo_stats(opt_state) -> dict:
   """The per-worker momentum norm of the first `ScaleByDemoState`, or {}."""
-  found = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_demo_state)
-           if _is_demo_state(s)]
-  return {'momentum_norm': found[0].momentum_norm} if found else {}
+  return _common.state_stats(opt_state, ScaleByDemoState, ('momentum_norm',))

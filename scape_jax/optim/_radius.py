@@ -489,12 +489,7 @@ def radius(
   )
 
 
-def _is_radius_state(x) -> bool:
-  return isinstance(x, ScaleByRadiusState)
-
-
 def radius_stats(opt_state) -> dict:
   """The per-worker residual norm of the first `ScaleByRadiusState`, or {}."""
-  found = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_radius_state)
-           if _is_radius_state(s)]
-  return {'residual_norm': found[0].residual_norm} if found else {}
+  return _common.state_stats(opt_state, ScaleByRadiusState,
+                             ('residual_norm',))

@@ -316,6 +316,12 @@ def scape(
   With `optax.inject_hyperparams`, pass
   `static_args=('density', 'density_warmup_steps')`.
 
+  Which SCAPE to use: this is the paper's Algorithm 1. At the same bytes
+  per step, `scape_local_adam` (per-worker Adam) came closer to AdamS at
+  d = 0.1 and at d = 0.01 in the project's runs (docs/results.md, "SCAPE's
+  modes"); at d <= 0.02 also interleave the input embedding's chunks
+  (`interleave_chunks`, `optimizer.scape.interleaved_leaves=embed_tokens`).
+
   Args:
     learning_rate: a float >= 0 or an optax schedule (None: no scaling, as
       in optax).
@@ -346,19 +352,11 @@ def scape(
   )
 
 
-def _is_scape_state(x) -> bool:
-  return isinstance(x, ScaleByScapeState)
-
-
 def scape_stats(opt_state) -> dict:
   """The statistics of the first `ScaleByScapeState` in `opt_state`, or {}.
 
   `density` is the density in force at the last update; `residual_norm` is
   per worker (a vector over the global state's workers).
   """
-  found = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_scape_state)
-           if _is_scape_state(s)]
-  if not found:
-    return {}
-  return {'density': found[0].density,
-          'residual_norm': found[0].residual_norm}
+  return _common.state_stats(opt_state, ScaleByScapeState,
+                             ('density', 'residual_norm'))

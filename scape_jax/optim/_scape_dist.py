@@ -356,13 +356,8 @@ def scape_dist(
 def scape_dist_stats(opt_state) -> dict:
   """The statistics of the first `ScaleByScapeDistState` in `opt_state`, or
   {} (as `scape_stats`; the residual norm is of the local part)."""
-  is_state = lambda x: isinstance(x, ScaleByScapeDistState)  # noqa: E731
-  found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_state)
-           if is_state(s)]
-  if not found:
-    return {}
-  return {'density': found[0].density,
-          'residual_norm': found[0].residual_norm}
+  return _common.state_stats(opt_state, ScaleByScapeDistState,
+                             ('density', 'residual_norm'))
 
 
 # ----------------------------------------------------------------------------

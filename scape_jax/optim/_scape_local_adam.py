@@ -313,8 +313,11 @@ def scape_local_adam(
 
   Same collectives and bytes per step as `scape` (Algorithm 1). Where the
   paper's algorithm trails AdamS at small scale, this mode comes within a
-  few percent of it at the same bytes (docs/results.md). Call `update`
-  inside `shard_map` with the worker's local gradients.
+  few percent of it at the same bytes (docs/results.md, "SCAPE's modes"):
+  use it at any density, and at d <= 0.02 also interleave the input
+  embedding's chunks (`interleave_chunks`); use `scape` for the paper's
+  algorithm. Call `update` inside `shard_map` with the worker's local
+  gradients.
 
   Args:
     learning_rate: a float >= 0 or an optax schedule (None: no scaling).
@@ -345,15 +348,7 @@ def scape_local_adam(
   )
 
 
-def _is_state(x) -> bool:
-  return isinstance(x, ScaleByScapeLocalAdamState)
-
-
 def scape_local_adam_stats(opt_state) -> dict:
   """`scape_stats` of the first `ScaleByScapeLocalAdamState`, or {}."""
-  found = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_state)
-           if _is_state(s)]
-  if not found:
-    return {}
-  return {'density': found[0].density,
-          'residual_norm': found[0].residual_norm}
+  return _common.state_stats(opt_state, ScaleByScapeLocalAdamState,
+                             ('density', 'residual_norm'))
