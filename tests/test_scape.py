@@ -370,3 +370,35 @@ def test_sum_squares_is_the_sum_of_squares_outside_ynnpack():
   ours = jax.jit(_norms.sum_squares).lower(x).compile().as_text()
   if '%ynn_fusion' in plain:  # XLA:CPU builds with YNNPACK fusions
     assert '%ynn_fusion' not in ours
+
+
+def test_a_dense_step_before_a_dense_one_compiles_no_mask_search():
+  """`next_dense=True` (what the trainer passes in a warmup's first steps):
+  the masks are all ones, no search is compiled (no `while` in the
+  program: 'auto' on CPU is the threshold search), and the numbers are the
+  same as without it. At a sparse level it is refused."""
+  params = _params(0, {'w': (256, 64), 'b': (64,)})
+  schedule = scape_jax.DensitySchedule(0.1, 50)  # level 0 for 4 updates
+  assert schedule.update_kwargs(2) == {'density_level': 0, 'next_dense': True}
+  assert schedule.update_kwargs(3) == {'density_level': 0}  # then level 1
+  assert schedule.update_kwargs(4) == {'density_level': 1}
+  tx = scape_jax.scape(1e-2, density=schedule)
+  grads = _worker_grads(params, 4, 2)
+  runs = []
+  for next_dense in (False, True):
+    run = MeshRunner(tx, params, 4, static_name='next_dense')
+    original = run.tx.update
+    run.tx = run.tx._replace(update=lambda g, s, p, **kw: original(
+        g, s, p, density_level=0, **kw))
+    text = run.compiled(next_dense).lower(
+        run.params, run.state, run.abstract_grads(params)).as_text()
+    assert ('stablehlo.while' in text) != next_dense
+    for g in grads:
+      run.step(g, next_dense)
+    runs.append(jax.tree.leaves((run.params, run.state)))
+  for x, y in zip(*runs):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  single = scape_jax.scape(1e-2, density=schedule, axis_name=None)
+  with pytest.raises(ValueError, match='next_dense=True with density_level=1'):
+    single.update(params, single.init(params), params, density_level=1,
+                  next_dense=True)

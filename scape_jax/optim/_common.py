@@ -383,9 +383,11 @@ def next_chunk_masks(chunk_of: Callable, layouts, k_levels, level: int,
   `topk.chunks_topk_words` call (the radix selects take them in one set of
   passes). `k_levels[j][level]` (static) is the top-k width; levels never
   increase, so the next step's k (`next_level`, traced) is a prefix of it.
-  A leaf dense at every level gets all ones."""
+  A leaf dense at every level, or at a static `next_level` (an int), gets
+  all ones, with no search compiled."""
+  least = (lambda k: k[next_level]) if isinstance(next_level, int) else min
   chosen = [j for j, layout in enumerate(layouts)
-            if layout is not None and min(k_levels[j]) < layout.chunk_size]
+            if layout is not None and least(k_levels[j]) < layout.chunk_size]
   out = [None if layout is None or j in chosen else masks.pack_bits(
       jnp.ones((1, layout.chunk_size), bool))
          for j, layout in enumerate(layouts)]

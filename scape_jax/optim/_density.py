@@ -53,3 +53,12 @@ class DensitySchedule:
       return jnp.zeros([], jnp.int32)
     ramp = last if w == 0 else (2 * jnp.minimum(count, w) * last + w) // (2 * w)
     return jnp.where(count == 0, 0, ramp).astype(jnp.int32)
+
+  def update_kwargs(self, count: int) -> dict:
+    """The static keywords of SCAPE's `update` for the update after `count`
+    completed ones: its `density_level`, and `next_dense=True` while the
+    next update is dense too (that program compiles no mask search)."""
+    kwargs = {'density_level': self.level(count)}
+    if self.levels[self.level(count + 1)] == 1.0:
+      kwargs['next_dense'] = True
+    return kwargs

@@ -65,13 +65,23 @@ def configure(where: str, density, density_warmup_steps: int, *, b1, b2,
 
 
 def at_level(update_at_level, updates, state, plan: CompressionPlan, hyper,
-             schedule: DensitySchedule, density_level) -> tuple:
+             schedule: DensitySchedule, density_level,
+             next_dense: bool = False) -> tuple:
   """`update_at_level` at the static `density_level`, else at the state's
   level through a `lax.switch`, with offloaded state leaves on the device in
-  between."""
+  between. It gets `next_level`, the level of the next update: traced from
+  the state's count, or 0 (static) where `next_dense` says the next update
+  is at density 1, so that no mask search is compiled for it."""
+  if next_dense and (density_level is None or
+                     schedule.levels[density_level] != 1.0):
+    raise ValueError(
+        f'next_dense=True with density_level={density_level!r}: the next '
+        'update can be dense only after a dense one (level 0).')
+  next_level = 0 if next_dense else schedule.level(state.count + 1)
   step = functools.partial(update_at_level, updates,
                            _memory.to_device(state), plan=plan,
-                           hyper=hyper, schedule=schedule)
+                           hyper=hyper, schedule=schedule,
+                           next_level=next_level)
   direction, new_state = _common.at_density_level(
       step, density_level, schedule.levels, schedule.level(state.count))
   return direction, _memory.like(new_state, state)

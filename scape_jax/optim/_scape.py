@@ -101,7 +101,10 @@ def scale_by_scape(
     An `optax.GradientTransformationExtraArgs`. `update` takes the static
     keyword `density_level` (the `DensitySchedule.level` of the state's
     count): the step holds that level's collectives only; without it every
-    level is compiled into one `lax.switch`.
+    level is compiled into one `lax.switch`. With `density_level=0`, the
+    static `next_dense=True` says that the next update is dense too: its
+    masks are all ones, and no mask search is compiled (the trainer's first
+    steps of a density warmup).
 
   References:
     SCAPE paper, Algorithm 1 and Sections IV-A..IV-C, IV-E;
@@ -116,21 +119,23 @@ def scale_by_scape(
     return _init_state(params, compress, axis_name)
 
   @_common.passes_empty_trees
-  def update_fn(updates, state, params=None, *, density_level=None, **extra):
+  def update_fn(updates, state, params=None, *, density_level=None,
+                next_dense=False, **extra):
     del params, extra
-    return _update(updates, state, compress, schedule, hyper, density_level)
+    return _update(updates, state, compress, schedule, hyper, density_level,
+                   next_dense)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _update(updates, state, compress: MaskOrFn, schedule: DensitySchedule,
-            hyper, density_level) -> tuple:
+            hyper, density_level, next_dense) -> tuple:
   """`update_fn`'s checks, then `at_level`."""
   n, _ = _common.axis_context('scape update', hyper.axis_name)
   plan = CompressionPlan.create(updates, compress, n)
   _common.check_per_worker_state('scape update', state.residual_norm)
-  return _exchange.at_level(_update_at_level, updates, state, plan, hyper, schedule,
-                  density_level)
+  return _exchange.at_level(_update_at_level, updates, state, plan, hyper,
+                            schedule, density_level, next_dense)
 
 
 def _init_state(params, compress: MaskOrFn,
@@ -163,7 +168,7 @@ _STORE_MIN = 1 << 16  # smaller leaves recompute m~ (`_semi_updated_moment`)
 
 def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
                      plan: CompressionPlan, hyper: _exchange.Hyper,
-                     schedule: DensitySchedule):
+                     schedule: DensitySchedule, next_level):
   """One SCAPE update whose payload has the k of density level `level`."""
   flat = plan.treedef.flatten_up_to
   grad_leaves = [g.astype(jnp.float32) for g in flat(grads)]
@@ -177,8 +182,9 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
   # The next mask first: where m~ is stored, its selection and the payload
   # are the last reads of m~ before the residual overwrites M in m~'s own
   # buffer (`after`).
+  del schedule  # `next_level` is the next update's (`_exchange.at_level`)
   own_mask = _exchange.next_own_masks(moment, plan, k_levels, level,
-                                      schedule.level(state.count + 1), hyper)
+                                      next_level, hyper)
   global_masks = _exchange.exchange_masks(flat(state.mask), plan, k_now,
                                           hyper)
   stored = [_stores_moment(plan, j, k_now[j]) for j in range(len(mu))]

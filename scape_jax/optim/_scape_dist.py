@@ -120,14 +120,15 @@ def scale_by_scape_dist(
         **{f: plan.treedef.unflatten(v) for f, v in fields.items()})
 
   @_common.passes_empty_trees
-  def update_fn(updates, state, params=None, *, density_level=None, **extra):
+  def update_fn(updates, state, params=None, *, density_level=None,
+                next_dense=False, **extra):
     del params, extra
     n, _ = _common.axis_context('scape_dist update', axis_name)
     plan = CompressionPlan.create(updates, compress, n)
     _check_chunking(plan, state, n, axis_name)
     _common.check_per_worker_state('scape_dist update', state.residual_norm)
     return _exchange.at_level(_update_at_level, updates, state, plan, hyper,
-                           schedule, density_level)
+                              schedule, density_level, next_dense)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -154,7 +155,8 @@ def _own(x: jax.Array, worker) -> jax.Array:
 
 
 def _update_at_level(grads, state: ScaleByScapeDistState, level: int, *,
-                     plan: CompressionPlan, hyper, schedule: DensitySchedule):
+                     plan: CompressionPlan, hyper, schedule: DensitySchedule,
+                     next_level):
   """One update whose payload has the k of density level `level`."""
   flat = plan.treedef.flatten_up_to
   grad_leaves = [g.astype(jnp.float32) for g in flat(grads)]
@@ -184,8 +186,7 @@ def _update_at_level(grads, state: ScaleByScapeDistState, level: int, *,
   vary = functools.partial(varying, axis_name=hyper.axis_name)
   next_masks = _common.next_chunk_masks(  # Algorithm 1's, from own m~
       lambda j: (own[j].moment, plan.layouts[j].num_valid(worker)),
-      plan.layouts, k_levels, level, schedule.level(state.count + 1),
-      hyper.select)
+      plan.layouts, k_levels, level, next_level, hyper.select)
   per_leaf = lambda fn: plan.treedef.unflatten(  # noqa: E731
       [optax.MaskedNode() if lay is None else vary(fn(o, m))
        for o, m, lay in zip(own, next_masks, plan.layouts)])

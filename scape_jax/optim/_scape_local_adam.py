@@ -139,9 +139,9 @@ def scale_by_scape_local_adam(
 
 def _update_at_level(grads, state: ScaleByScapeLocalAdamState, level: int, *,
                      plan: CompressionPlan, hyper: _exchange.Hyper,
-                     schedule: DensitySchedule):
+                     schedule: DensitySchedule, next_level):
   """One update whose payload has the k of density level `level`."""
-  del schedule  # the mask is chosen and used in this step
+  del schedule, next_level  # the mask is chosen and used in this step
   flat = plan.treedef.flatten_up_to
   grad_leaves = [g.astype(jnp.float32) for g in flat(grads)]
   if hyper.clip_norm:  # each worker clips its own gradient

@@ -299,8 +299,8 @@ def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
   kinds = (functools.partial(sharding_memory.offload_memory_kinds,
                              kind=section.offload_kind)
            if section.offload else None)
-  return Built(tx, lambda count: {'density_level': schedule.level(count)},
-               kinds, state_key=lambda count: {  # the masks' density
+  return Built(tx, schedule.update_kwargs, kinds,
+               state_key=lambda count: {  # the masks' density
                    'density': schedule.levels[schedule.level(count)]})
 
 
