@@ -37,12 +37,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from scape_jax.train import agreement
+from scape_jax.train import outdir
 
 PyTree = Any
 
 _ITEMS = ('state', 'extras', 'checksums')
 _MANIFEST_VERSION = 2  # 2: adds 'extras_sha256'; version 1 is still read.
 _MAX_LISTED = 8  # Problems listed in one error message.
+# Room a save needs beyond its arrays' bytes and 10% (OCDBT's index, the
+# JSON items, orbax's metadata): a tiny model's checkpoint holds ~1.2x them.
+_METADATA_BYTES = 1 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -53,6 +57,10 @@ class CorruptCheckpointError(CheckpointError):
   """A checkpoint's files are damaged: unreadable or not what was saved."""
 
 
+class SaveError(CheckpointError, outdir.OutputError):
+  """A save failed (a full disk, an I/O error): nothing of it is kept."""
+
+
 class _ReadOnlyNotice(logging.Filter):
   """Drops orbax's warning 'Given directory is read only': restoring opens
   the directory read-only on purpose, so that nothing there is written."""
@@ -61,7 +69,19 @@ class _ReadOnlyNotice(logging.Filter):
     return not str(record.msg).startswith('Given directory is read only')
 
 
+class _BackgroundErrors(logging.Filter):
+  """Drops orbax's error records (with their tracebacks): a save that fails
+  in orbax's background threads logs the same cause several times, and
+  `Checkpointer.wait` raises it as one `SaveError`; a failing restore
+  raises too."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.levelno >= logging.ERROR and
+                f'{os.sep}orbax{os.sep}' in record.pathname)
+
+
 logging.getLogger('absl').addFilter(_ReadOnlyNotice())
+logging.getLogger('absl').addFilter(_BackgroundErrors())
 
 
 # ----------------------------------------------------------------------------
@@ -123,6 +143,11 @@ def _checksums(leaves: list[jax.Array]) -> list[tuple[jax.Array, jax.Array]]:
 
 def _is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _nbytes(x: Any) -> int:
+  """The bytes of `x`'s values (all shards of a global array, once)."""
+  return int(np.prod(x.shape)) * x.dtype.itemsize
 
 
 def _extras_sha256(extras: Mapping[str, Any]) -> str:
@@ -279,9 +304,10 @@ class Checkpointer:
     """Starts saving `state` and JSON `extras` as `step`; never overwrites.
 
     Raises:
-      CheckpointError: the step exists, extras are not JSON-serializable, the
-        state holds a NaN or an infinity (unless `allow_non_finite`) or orbax
-        failed to start the save.
+      CheckpointError: the step exists, extras are not JSON-serializable or
+        the state holds a NaN or an infinity (unless `allow_non_finite`).
+      SaveError: the state does not fit in the free space, or orbax failed
+        to start the save (`wait` raises a failure while writing).
     """
     extras = dict(extras or {})
     try:
@@ -299,14 +325,31 @@ class Checkpointer:
     if non_finite and not allow_non_finite:
       raise CheckpointError(f'refusing to save step {step}: non-finite values '
                             f'(NaN or inf) in{_limit(non_finite)}')
+    self._check_space(step, state)
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               extras=ocp.args.JsonSave(extras),
                               checksums=ocp.args.JsonSave(manifest))
     try:
       manager.save(step, args=args, force=True)
     except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(f'saving step {step} to {self.directory} failed: '
-                            f'{_first_line(e)}') from e
+      raise SaveError(f'saving step {step} to {self.directory} failed: '
+                      f'{_first_line(e)}') from e
+
+  def _check_space(self, step: int, state: PyTree) -> None:
+    """Raises SaveError on every process unless the state's bytes fit in
+    the free space (orbax would fail part-way, in its threads)."""
+    nbytes = sum(_nbytes(x) for x in jax.tree.leaves(state) if _is_array(x))
+    nbytes += nbytes // 10 + _METADATA_BYTES  # orbax's files beside the data
+    what = f'saving step {step} to {self.directory}'
+
+    def check():
+      try:
+        outdir.check_free_space(self.directory, nbytes, what)
+      except outdir.OutputError as e:
+        raise SaveError(str(e)) from None
+
+    agreement.together(check, f'checking the free space for {what}',
+                       SaveError)
 
   def _open(self, step: int | None) -> tuple[ocp.CheckpointManager, int, str]:
     """(read manager, step, description) of an existing finished step."""
@@ -447,8 +490,8 @@ class Checkpointer:
     try:
       self._writer.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(f'saving to {self.directory} failed: '
-                            f'{_first_line(e)}') from e
+      raise SaveError(f'saving to {self.directory} failed: '
+                      f'{_first_line(e)}') from e
 
   def close(self) -> None:
     """Waits for pending saves and releases orbax resources."""

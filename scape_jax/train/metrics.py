@@ -7,18 +7,25 @@
 Non-finite values are written as the strings "nan", "inf" and "-inf" so that
 every line is strict JSON (`json.loads` in any language, `jq`); `read_jsonl`
 turns them back into floats.
+
+Every write that fails (a full disk, an I/O error) raises
+`outdir.OutputError` naming the file. The file is only ever appended to, or
+truncated in place on a resume (`_truncate_after`), never replaced.
 """
 
 import json
 import math
 import os
 import sys
+import time
 from typing import Any, Mapping, Optional
 
 import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import tqdm
+
+from scape_jax.train.outdir import OutputError, strerror
 
 _NON_FINITE = {'nan': math.nan, 'inf': math.inf, '-inf': -math.inf}
 
@@ -46,19 +53,20 @@ class MetricsLogger:
     self.enabled = enabled
     self.path = os.path.join(out_dir, 'metrics.jsonl')
     self._file = None
-    self._writer = None
+    self._tb = None
     self._start, self._logged_at_start = start, set()
     if not enabled:
       return
-    os.makedirs(out_dir, exist_ok=True)
-    if start is not None and os.path.exists(self.path):
-      self._logged_at_start = _truncate_after(self.path, start)
-    self._file = open(self.path, 'a', encoding='utf-8')
+    try:
+      os.makedirs(out_dir, exist_ok=True)
+      if start is not None and os.path.exists(self.path):
+        self._logged_at_start = _truncate_after(self.path, start)
+      self._file = open(self.path, 'a', encoding='utf-8')
+    except OSError as e:
+      raise OutputError(f'writing {self.path} failed: {strerror(e)}') from None
     if tensorboard:
-      import tensorboardX  # pylint: disable=g-import-not-at-top
-      self._writer = tensorboardX.SummaryWriter(
-          os.path.join(out_dir, 'tb'),
-          purge_step=None if start is None else start + 1)
+      self._tb = _EventFile(os.path.join(out_dir, 'tb'),
+                            purge_step=None if start is None else start + 1)
 
   def log(self, step: int, metrics: Mapping[str, Any],
           prefix: str = 'train') -> None:
@@ -73,21 +81,29 @@ class MetricsLogger:
     values = {key: float(value) for key, value in metrics.items()}
     record = {'step': int(step), 'split': prefix}
     record.update({k: _encode_non_finite(v) for k, v in values.items()})
-    self._file.write(json.dumps(record, allow_nan=False) + '\n')
-    self._file.flush()
-    if self._writer is not None:
-      for key, value in values.items():
-        if math.isfinite(value):  # the JSONL line keeps NaN and inf
-          self._writer.add_scalar(f'{prefix}/{key}', value, int(step))
-      self._writer.flush()
+    try:
+      self._file.write(json.dumps(record, allow_nan=False) + '\n')
+      self._file.flush()
+    except OSError as e:
+      raise OutputError(f'writing {self.path} failed: {strerror(e)}') from None
+    if self._tb is not None:  # the JSONL line keeps NaN and inf
+      self._tb.scalars(int(step), {f'{prefix}/{k}': v for k, v in
+                                   values.items() if math.isfinite(v)})
 
   def close(self) -> None:
-    if self._file is not None:
-      self._file.close()
-      self._file = None
-    if self._writer is not None:
-      self._writer.close()
-      self._writer = None
+    """Closes the files; raises OutputError if their last bytes fail."""
+    file, self._file = self._file, None
+    tb, self._tb = self._tb, None
+    try:
+      if file is not None:
+        try:
+          file.close()
+        except OSError as e:
+          raise OutputError(f'writing {self.path} failed: '
+                            f'{strerror(e)}') from None
+    finally:
+      if tb is not None:
+        tb.close()
 
   def __enter__(self) -> 'MetricsLogger':
     return self
@@ -123,30 +139,91 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
 
 
 def _truncate_after(path: str, step: int) -> set:
-  """Keeps the lines of `path` whose step is <= `step` (atomic rewrite);
-  returns the splits that have a record at `step`."""
-  with open(path, encoding='utf-8') as f:
+  """Keeps the lines of `path` whose step is <= `step`, in place; returns
+  the splits that have a record at `step`.
+
+  The kept lines are usually a prefix of the file (a resume drops the
+  lines of the steps after its checkpoint): then the file is only
+  truncated. Otherwise (a half-written line of a run that was cut off,
+  followed by lines) the kept lines are written over the file's start.
+  """
+  with open(path, 'r+', encoding='utf-8', newline='') as f:
     lines = f.read().split('\n')
-  kept, at_step = [], set()
-  for line in filter(str.strip, lines):
-    try:
-      record = json.loads(line)
-      if record['step'] <= step:
-        kept.append(line + '\n')
-      if record['step'] == step:
-        at_step.add(record.get('split'))
-    except (json.JSONDecodeError, KeyError, TypeError):
-      pass  # a half-written line of the run that was cut off
-  tmp = f'{path}.tmp'
-  with open(tmp, 'w', encoding='utf-8') as f:
-    f.writelines(kept)
-  os.replace(tmp, path)
+    kept, at_step = [], set()
+    for line in filter(str.strip, lines):
+      try:
+        record = json.loads(line)
+        if record['step'] <= step:
+          kept.append(line + '\n')
+        if record['step'] == step:
+          at_step.add(record.get('split'))
+      except (json.JSONDecodeError, KeyError, TypeError):
+        pass  # a half-written line of the run that was cut off
+    text = ''.join(kept)
+    if '\n'.join(lines)[:len(text)] != text:
+      f.seek(0)
+      f.write(text)
+      f.flush()
+    f.truncate(len(text.encode('utf-8')))
   return at_step
+
+
+class _EventFile:
+  """TensorBoard scalars, written and flushed at once on the caller's
+  thread (tensorboardX's SummaryWriter writes on a thread of its own, whose
+  failures would be printed there and lost to the caller)."""
+
+  def __init__(self, logdir: str, purge_step: Optional[int] = None):
+    from tensorboardX import event_file_writer  # pylint: disable=g-import-not-at-top
+    from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+    self._event_pb2 = event_pb2
+    self._logdir = logdir
+    self._writer = None
+    try:
+      os.makedirs(logdir, exist_ok=True)
+      self._writer = event_file_writer.EventsWriter(
+          os.path.join(logdir, 'events'))
+      if purge_step is not None:  # TensorBoard hides later steps' events
+        self._writer.write_event(event_pb2.Event(
+            step=purge_step, file_version='brain.Event:2'))
+        self._writer.write_event(event_pb2.Event(
+            step=purge_step, session_log=event_pb2.SessionLog(
+                status=event_pb2.SessionLog.START)))
+      self._writer.flush()
+    except OSError as e:
+      self._failed(e)
+
+  def _failed(self, e: OSError):
+    raise OutputError(f'writing TensorBoard events into {self._logdir} '
+                      f'failed: {strerror(e)}') from None
+
+  def scalars(self, step: int, values: Mapping[str, float]) -> None:
+    from tensorboardX import summary  # pylint: disable=g-import-not-at-top
+    try:
+      for tag, value in values.items():
+        self._writer.write_event(self._event_pb2.Event(
+            wall_time=time.time(), step=step,
+            summary=summary.scalar(tag, value)))
+      self._writer.flush()
+    except OSError as e:
+      self._failed(e)
+
+  def close(self) -> None:
+    writer, self._writer = self._writer, None
+    if writer is not None:
+      try:
+        writer.close()
+      except OSError as e:
+        self._failed(e)
 
 
 def plot_loss(metrics_jsonl: str, png_path: str, *, log_y: bool = False,
               key: str = 'loss') -> None:
-  """Plots train `key` vs step as a line and eval `key` as markers."""
+  """Plots train `key` vs step as a line and eval `key` as markers.
+
+  Raises:
+    OutputError: the plot cannot be written.
+  """
   records = read_jsonl(metrics_jsonl)
   fig, ax = plt.subplots(figsize=(8, 5))
   try:
@@ -165,8 +242,12 @@ def plot_loss(metrics_jsonl: str, png_path: str, *, log_y: bool = False,
     if ax.get_legend_handles_labels()[0]:
       ax.legend()
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
-    fig.savefig(png_path, dpi=100)
+    try:
+      os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
+      fig.savefig(png_path, dpi=100)
+    except OSError as e:
+      raise OutputError(f'writing the loss plot {png_path} failed: '
+                        f'{strerror(e)}') from None
   finally:
     plt.close(fig)
 
