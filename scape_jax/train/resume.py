@@ -215,12 +215,14 @@ def _restore(program, ckpt: Checkpointer, step: int, target,
     mesh = mesh_sizes(program.mesh)
     if saved_mesh is None or saved_mesh == mesh:
       raise
+    differ = [line.strip() for line in str(e).split('\n')[1:]]
+    example = f'; e.g. {differ[0]}' if differ else ''
     raise CheckpointError(
         f'checkpoint {ckpt.directory}/{step} was saved on a mesh of '
         f'{saved_mesh} devices per axis; this run has {mesh}. Its optimizer '
         "state does not fit (a method's per-worker state, such as SCAPE's "
         'residuals, is split over the workers and cannot be re-split): '
-        f'resume on the same mesh.\n{e}') from e
+        f'resume on the same mesh{example}') from e
 
 
 def check_state_fits(saved: Mapping[str, Any], cfg: config_lib.Config,

@@ -3,9 +3,12 @@ to `resume`, saving to `_Saver`, logging to `_Reporter`, compiling to
 `StepPrograms`, the steps in flight and the non-finite watch to
 `guard.InFlightSteps`, signals to `preemption.StopSignals`.
 
-`train(cfg)` runs (or resumes) the run in `cfg.out_dir` and returns a summary.
-It raises `guard.DivergedError` after `cfg.max_bad_steps` non-finite steps in
-a row and `preemption.Interrupted` after saving on SIGTERM/SIGINT.
+`train(cfg)` runs (or resumes) the run in `cfg.out_dir`, holding its lock
+(`outdir.RunLock`), and returns a summary. It raises `guard.DivergedError`
+after `cfg.max_bad_steps` non-finite steps in a row,
+`preemption.Interrupted` after saving on SIGTERM/SIGINT, and
+`outdir.OutputError` when a write into out_dir fails (saying how many steps
+since the last good checkpoint are lost).
 """
 
 import math
@@ -22,6 +25,7 @@ from scape_jax import hf
 from scape_jax.train import agreement
 from scape_jax.train import config as config_lib
 from scape_jax.train import guard
+from scape_jax.train import outdir
 from scape_jax.train import preemption
 from scape_jax.train import resume
 from scape_jax.train import step as step_lib
@@ -177,8 +181,10 @@ class _Reporter:
     self._bar = Progress(cfg.steps, initial=start) if self.leader else None
     self._tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     self._pending = []
+    self._in_a_row = 0  # skipped steps in a row up to the last fetched
     self.history = []
     self.skipped_steps = 0  # non-finite steps whose update was skipped
+    self.last_step = start  # the last step recorded
     self.restart_clock()
 
   def restart_clock(self) -> None:
@@ -190,6 +196,7 @@ class _Reporter:
 
   def record(self, step: int, metrics: dict) -> None:
     self._pending.append((step, metrics))
+    self.last_step = step
 
   def flush(self) -> None:
     """Fetches the pending metrics and writes one log line."""
@@ -199,26 +206,30 @@ class _Reporter:
     elapsed = time.perf_counter() - self._t0
     wall_time = time.time()  # when the last pending step had finished
     tps = self._tokens_per_step * len(fetched) / max(elapsed, 1e-9)
+    self._pending = []
     for s, x in fetched:  # the learning rate of the update the step made
       x['lr'] = float(self._program.method.learning_rate(self._updates))
       self._updates += x['skipped'] == 0
+      self._in_a_row = self._in_a_row + 1 if x['skipped'] else 0
+      if x['skipped']:  # in step order with the step lines
+        self._say_skipped(s, x)
       self.logger.log(s, dict(x, tokens_per_s=tps, wall_time=wall_time))
       self.history.append(x['loss'])
     s, x = fetched[-1]
-    if self.leader:
+    if self.leader and not x['skipped']:
       print(f'step {s:6d} | loss {x["loss"]:.4f} | lr {x["lr"]:.2e} | '
             f'grad {x["grad_norm"]:.3f} | {tps:,.0f} tok/s | '
             f'{x["comm_bytes"] / 2**20:.3f} MiB/step')
+    if self.leader:
       self._bar.update(len(fetched), loss=x['loss'])
-    self._pending = []
     self.restart_clock()
 
-  def skipped(self, step: int, metrics: dict, in_a_row: int) -> None:
-    """Reports a step whose update was skipped (non-finite)."""
+  def _say_skipped(self, step: int, metrics: dict) -> None:
+    """Prints the line of a step whose update was skipped (non-finite)."""
     if self.leader:
       print(f'step {step:6d} | loss {metrics["loss"]:.4g} | grad '
             f'{metrics["grad_norm"]:.4g}: not finite, update skipped '
-            f'({in_a_row} in a row; the run stops at max_bad_steps='
+            f'({self._in_a_row} in a row; the run stops at max_bad_steps='
             f'{self._cfg.max_bad_steps})', flush=True)
 
   def eval(self, step: int, loss: float) -> None:
@@ -278,25 +289,17 @@ def _summarize(cfg, reporter: _Reporter, start: int,
              'eval_loss': eval_loss, 'losses': history}
   if reporter.leader:
     png = os.path.join(cfg.out_dir, 'loss.png')
-    plot_loss(reporter.logger.path, png)
+    try:
+      plot_loss(reporter.logger.path, png)
+    except outdir.OutputError as e:
+      raise outdir.OutputError(f'{e}; the run itself is done, its last '
+                               f'checkpoint saved (step {cfg.steps})') from e
     if history:
       print(f'done: {cfg.steps} steps, loss {history[0]:.3f} -> '
             f'{history[-1]:.3f}, eval loss {eval_loss:.3f} (ppl '
             f'{math.exp(min(eval_loss, 50)):.2f}); metrics '
             f'{reporter.logger.path}, plot {png}')
   return summary
-
-
-def _check_out_dir(out_dir: str) -> None:
-  """Creates `out_dir` or says why it cannot, before any work is done."""
-  try:
-    os.makedirs(out_dir, exist_ok=True)
-  except OSError as e:
-    raise config_lib.ConfigError(
-        f'out_dir={out_dir!r}: cannot create it ({e.strerror})') from None
-  if not os.access(out_dir, os.W_OK | os.X_OK):
-    raise config_lib.ConfigError(
-        f'out_dir={out_dir!r}: this user cannot write there')
 
 
 def train(cfg: config_lib.Config, devices=None, *,
@@ -308,11 +311,24 @@ def train(cfg: config_lib.Config, devices=None, *,
     devices: the devices of the mesh (default: all).
     allow_config_change: resume even if keys that change the computation
       differ from the checkpoint's config (`resume.check_config`).
+
+  Raises:
+    outdir.RunLockedError: another trainer holds out_dir's lock.
+    outdir.OutputError: a write into out_dir failed.
   """
   agreement.same_config(cfg)
-  agreement.together(lambda: _check_out_dir(cfg.out_dir), 'creating out_dir',
-                     config_lib.ConfigError)
+  agreement.together(lambda: outdir.check_shape(cfg.out_dir),
+                     'checking out_dir', config_lib.ConfigError)
   agreement.shared_dir(cfg.out_dir, 'out_dir')
+  with outdir.RunLock(cfg.out_dir, hold=jax.process_index() == 0) as lock:
+    agreement.together(lock.acquire, 'locking out_dir',
+                       config_lib.ConfigError, catch=(outdir.OutputError,))
+    return _train(cfg, devices, allow_config_change)
+
+
+def _train(cfg: config_lib.Config, devices,
+           allow_config_change: bool) -> dict:
+  """`train` once out_dir is checked and locked."""
   program = build_program(cfg, devices)
   agreement.nodes_are_hosts(program.mesh, cfg.mesh.nodes)
   program_lib.print_notes(program)
@@ -339,14 +355,21 @@ def train(cfg: config_lib.Config, devices=None, *,
   # is held too: the run finishes and saves; a second one kills at once.
   with preemption.StopSignals() as signals:
     try:
-      last_eval = _loop(cfg, program, programs, feed, reporter, resumed,
-                        _Saver(cfg, ckpt, feed, resumed.config_history,
-                               program.mesh),
-                        signals)
-    finally:
-      programs.close()
-      ckpt.close()
-      reporter.close()
+      try:
+        last_eval = _loop(cfg, program, programs, feed, reporter, resumed,
+                          _Saver(cfg, ckpt, feed, resumed.config_history,
+                                 program.mesh),
+                          signals)
+      finally:
+        programs.close()
+        try:
+          ckpt.close()  # raises a save's failure (checkpoint.SaveError)
+        finally:
+          reporter.close()
+    except outdir.OutputError as e:  # a full disk, an I/O error
+      raise outdir.OutputError(
+          f'{e}; {outdir.lost_work(ckpt.directory, reporter.last_step)}'
+      ) from e
   return _summarize(cfg, reporter, start, last_eval, compile_s)
 
 
@@ -370,7 +393,7 @@ def _loop(cfg, program: Program, programs: StepPrograms, feed: _DataFeed,
     return float(np.mean([float(evaluate(params, b))
                           for b in feed.eval_batches]))
 
-  in_flight = guard.InFlightSteps(cfg.max_bad_steps, on_skip=reporter.skipped,
+  in_flight = guard.InFlightSteps(cfg.max_bad_steps,
                                   skipped_before=resumed.skipped)
   last_eval = None
   reporter.restart_clock()
@@ -393,9 +416,13 @@ def _loop(cfg, program: Program, programs: StepPrograms, feed: _DataFeed,
     except guard.DivergedError:
       reporter.flush()
       raise
+    skipped_now = in_flight.skipped != reporter.skipped_steps
     reporter.skipped_steps = in_flight.skipped
-    if done % cfg.log_every == 0 or done == cfg.steps or saving:
-      reporter.flush()  # before a save: a resume starts after its lines
+    # Before a save: a resume starts after its lines. At a skipped step:
+    # its line comes at once, in order with the step lines.
+    if (done % cfg.log_every == 0 or done == cfg.steps or saving or
+        skipped_now):
+      reporter.flush()
     if cfg.eval_every and done % cfg.eval_every == 0:
       jax.block_until_ready(params)  # the steps' own time stays theirs
       t = time.perf_counter()
