@@ -10,10 +10,14 @@ Several processes (one per host or GPU) join through --coordinator,
 Open MPI, TPU pods, JAX_COORDINATOR_ADDRESS) with --distributed.
 
 Running the same command again resumes from the newest checkpoint in out_dir.
-Exit codes: 0 done; 2 a mistake in the config, the data or a checkpoint (the
-message says which); 3 training diverged (max_bad_steps non-finite steps in a
-row); 128 + N stopped by signal N after saving (143 SIGTERM, 130 SIGINT);
-a signal after the last step lets the run finish and save (0).
+One trainer at a time may use an out_dir (a lock; process 0 holds it).
+Exit codes: 0 done; 2 a mistake in the config, the data or a checkpoint, an
+out_dir in use by another trainer, or a write into out_dir that failed (full
+disk; the message says which); 3 training diverged (max_bad_steps non-finite
+steps in a row); 4 another process of a multi-process run was lost (the
+message names it); 128 + N stopped by signal N (143 SIGTERM, 130 SIGINT),
+after saving if it came during the train loop; a signal after the last step
+lets the run finish and save (0).
 """
 
 import argparse
@@ -45,6 +49,12 @@ def parse_args(argv):
                       metavar='SECONDS',
                       help='how long the processes wait for each other to '
                       'join (default 300)')
+  parser.add_argument('--heartbeat-timeout', type=_seconds, default=None,
+                      metavar='SECONDS',
+                      help='after how long without a heartbeat a process '
+                      'whose host hangs counts as lost; the others then stop '
+                      'with exit code 4 (default 60; a killed process is '
+                      'seen within seconds)')
   parser.add_argument('--distributed', action='store_true',
                       help='jax.distributed.initialize() from the cluster '
                       'environment')
@@ -78,9 +88,11 @@ def _process_problem(args):
   if args.coordinator and not _cluster_env() and (n is None or i is None):
     return ('--coordinator needs --num-processes and --process-id (outside '
             'a SLURM or Open MPI job, which would supply them)')
-  if args.join_timeout is not None and not _joins(args):
-    return ('--join-timeout needs --coordinator or --distributed; without '
-            'them no process joins and it would be ignored')
+  for option, value in (('--join-timeout', args.join_timeout),
+                        ('--heartbeat-timeout', args.heartbeat_timeout)):
+    if value is not None and not _joins(args):
+      return (f'{option} needs --coordinator or --distributed; without '
+              'them no process joins and it would be ignored')
   if args.coordinator and ':' not in args.coordinator:
     return f'--coordinator {args.coordinator!r}: expected HOST:PORT'
   return None
@@ -111,6 +123,13 @@ def _cluster_env() -> bool:
 
 def main(argv=None) -> int:
   args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+  from scape_jax.train import preemption  # pylint: disable=g-import-not-at-top
+  with preemption.StopAtOnce() as stop:  # one line for a signal in setup
+    return _main(args, overrides, stop)
+
+
+def _main(args, overrides, stop) -> int:
+  """Loads the config, joins the other processes and runs; the exit code."""
   from scape_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
   try:
     cfg = config_lib.load(args.config, overrides)
@@ -127,26 +146,41 @@ def main(argv=None) -> int:
         f'{flags} --xla_force_host_platform_device_count={need}').strip()
 
   import jax  # pylint: disable=g-import-not-at-top
-  joined = _joins(args)
-  if joined:
-    problem = _join(jax, args)
-    if problem:
-      print(f'error: jax.distributed.initialize: {problem}', file=sys.stderr)
-      return EXIT_USAGE
+  if not _joins(args):
+    return _run(args, cfg, need)
+  problem = _join(jax, args)
+  if problem:
+    print(f'error: jax.distributed.initialize: {problem}', file=sys.stderr)
+    return EXIT_USAGE
+  return _run_joined(args, cfg, need, stop)
+
+
+def _run_joined(args, cfg, need, stop) -> int:
+  """`_run` on one of several processes, watching the others
+  (`peers.PeerWatch`); the exit code. A signal outside the train loop
+  (`stop`) announces its exit too."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from scape_jax.train import peers  # pylint: disable=g-import-not-at-top
+  watch = peers.PeerWatch(
+      jax.process_index(), jax.process_count(), heartbeat_timeout=(
+          args.heartbeat_timeout or peers.HEARTBEAT_TIMEOUT_S)).start()
+  stop.before_exit = watch.leaving
   try:
     code = _run(args, cfg, need)
   except BaseException:  # pylint: disable=broad-except
-    if not joined:
-      raise
+    stop.yield_to_a_stop()  # a signal here broke the collective
+    watch.settle()  # a failed collective may be a lost peer: name it
+    stop.yield_to_a_stop()
     traceback.print_exc()
     code = 1
-  if joined and 0 < code < 128:  # not a stop on a signal, which all agreed
+  sys.stdout.flush()
+  sys.stderr.flush()
+  stop.yield_to_a_stop()
+  watch.leaving(code)
+  if 0 < code < 128:  # not a stop on a signal, which all agreed
     # A failure may be this process's alone, with the others waiting for it
     # in a collective: jax's exit would wait for them at its shutdown
-    # barrier, forever. Leave now; the coordination service sees this
-    # process gone and stops the others.
-    sys.stdout.flush()
-    sys.stderr.flush()
+    # barrier, forever. Leave now; the others' watches see the exit code.
     os._exit(code)  # pylint: disable=protected-access
   return code
 
@@ -159,6 +193,11 @@ def _join(jax, args):
   # process, as it does with one process.
   jax.config.update('jax_enable_preemption_service', False)
   timeout = args.join_timeout or JOIN_TIMEOUT_S
+  from scape_jax.train import peers  # pylint: disable=g-import-not-at-top
+  # A lost process is the trainer's to report (peers.PeerWatch), before
+  # JAX's own heartbeat timeout aborts the others with a C++ stack trace.
+  heartbeat = ((args.heartbeat_timeout or peers.HEARTBEAT_TIMEOUT_S) +
+               peers.JAX_MARGIN_S)
   if args.coordinator and args.process_id is not None:
     print(f'process {args.process_id} of {args.num_processes}: joining '
           f'{args.coordinator} (waits up to {timeout} s for every '
@@ -166,7 +205,8 @@ def _join(jax, args):
   try:
     jax.distributed.initialize(args.coordinator, args.num_processes,
                                args.process_id,
-                               initialization_timeout=timeout)
+                               initialization_timeout=timeout,
+                               heartbeat_timeout_seconds=heartbeat)
   except ValueError as e:  # jax's checks of the process options
     return str(e)
   # Process 0's count is the job's: a process told another count would
@@ -192,6 +232,7 @@ def _run(args, cfg, need) -> int:
   from scape_jax import train as trainer  # pylint: disable=g-import-not-at-top
   from scape_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
   from scape_jax.train.checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
+  from scape_jax.train.outdir import OutputError  # pylint: disable=g-import-not-at-top
   from scape_jax.data.prepare import CorpusError  # pylint: disable=g-import-not-at-top
   try:
     if args.dry_run:
@@ -201,7 +242,8 @@ def _run(args, cfg, need) -> int:
       trainer.dry_run(cfg, devices)
     else:
       trainer.train(cfg, allow_config_change=args.allow_config_change)
-  except (config_lib.ConfigError, CheckpointError, CorpusError) as e:
+  except (config_lib.ConfigError, CheckpointError, CorpusError,
+          OutputError) as e:
     print(f'error: {e}', file=sys.stderr)
     return EXIT_USAGE
   except trainer.DivergedError as e:
@@ -210,7 +252,7 @@ def _run(args, cfg, need) -> int:
   except trainer.Interrupted as e:
     print(f'stopped: {e}', file=sys.stderr)
     return e.exit_code
-  except KeyboardInterrupt:  # before the first step, or a second Ctrl-C
+  except KeyboardInterrupt:  # not in the main thread: no StopAtOnce
     print('interrupted: stopped at once; the same command resumes from the '
           'last checkpoint', file=sys.stderr)
     return EXIT_SIGINT
