@@ -22,6 +22,7 @@ from scape_jax import train as trainer
 from scape_jax.train import checkpoint
 from scape_jax.train import config as config_lib
 from scape_jax.train import outdir
+from scape_jax.train import peers
 from scape_jax.train import resume
 from scape_jax.train import trainer as trainer_lib
 from tests import test_multiprocess as multiprocess
@@ -304,3 +305,36 @@ def test_a_mesh_change_error_is_at_most_5_lines():
   message = str(e.value)
   assert len(message.splitlines()) <= 5, message
   assert "mesh of {'data': 8}" in message and 'opt.leaf0' in message
+
+
+class _KeyValues:
+  """The part of JAX's coordination client that `PeerWatch` uses."""
+
+  def __init__(self):
+    self.store = {}
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    assert allow_overwrite or key not in self.store
+    self.store[key] = value
+
+  def key_value_dir_get(self, prefix):
+    return [(k, v) for k, v in self.store.items() if k.startswith(prefix)]
+
+
+def test_peer_watch_names_a_silent_peer_and_a_peer_that_failed():
+  client = _KeyValues()
+  watches = [peers.PeerWatch(i, 3, heartbeat_timeout=0.3, client=client,
+                             grace_s=0.3) for i in range(3)]
+  for _ in range(2):  # all beat: nobody is lost
+    assert [w.check() for w in watches] == [None] * 3
+  watches[1]._announce(0)  # pylint: disable=protected-access
+  assert watches[0].check() is None  # has heard the others' last beats
+  time.sleep(0.4)  # 1 has ended on purpose, 2 falls silent
+  assert watches[0].check() == (
+      'process 2 of 3 is lost: no heartbeat for 0 s (killed, crashed, or '
+      'its host is down or out of reach)')
+  watches[2]._announce(2)  # pylint: disable=protected-access
+  assert watches[0].check() is None  # its own error: 0 may share it
+  time.sleep(0.4)
+  assert watches[0].check() == ('process 2 of 3 stopped with exit code 2 '
+                                '(its log says why)')
