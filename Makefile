@@ -4,8 +4,8 @@ PY ?= python3
 CPU8 = JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8
 
 .PHONY: install install-hf install-eval test test-hf demo bench \
-	bench-network dry-run memory-table results results-wire eval-downstream \
-	fidelity
+	bench-comm bench-overhead bench-fcdp bench-projected bench-network \
+	gpu-checks dry-run memory-table results results-wire eval-downstream
 
 install:
 	$(PY) -m pip install -q -r requirements.txt
@@ -60,11 +60,27 @@ results-wire:
 	rm -rf runs/wire_fidelity
 	$(CPU8) $(PY) bench/wire_fidelity.py --steps 300
 
-# Regenerates docs/bench/ (tables, CSV/JSON, plot); see docs/benchmarks.md.
-bench:
+# Regenerates docs/bench/'s tables and plot (docs/benchmarks.md); each part
+# is its own target below.
+bench: bench-comm bench-overhead bench-fcdp bench-projected
+
+# Bytes per device per step, measured from the compiled programs beside the
+# analytic figures (scape_jax.analysis.cost): docs/bench/comm_volume.{csv,json,md},
+# comm_volume_outer.{json,md} (DiLoCo/Pier) and comm_vs_density.png.
+bench-comm:
 	JAX_PLATFORMS=cpu $(PY) bench/comm_volume.py
+
+# The optimizer update alone, one worker: docs/bench/optimizer_overhead.{csv,json,md}.
+bench-overhead:
 	JAX_PLATFORMS=cpu $(PY) bench/optimizer_overhead.py --repeats 15
+
+# ZeRO-3 and FCDP bytes inside and across nodes: docs/bench/fcdp_volume.{json,md}.
+bench-fcdp:
 	JAX_PLATFORMS=cpu $(PY) bench/fcdp_volume.py
+
+# Step time projected over links from comm_volume.json (run bench-comm first):
+# docs/bench/projected_step_time_<model>_N32_{cpu,flops}.{csv,md}.
+bench-projected:
 	JAX_PLATFORMS=cpu $(PY) bench/projected_step_time.py --model llama500m --workers 32
 	JAX_PLATFORMS=cpu $(PY) bench/projected_step_time.py --model llama500m --workers 32 --effective-tflops 400 --tokens-per-worker 131072
 	JAX_PLATFORMS=cpu $(PY) bench/projected_step_time.py --model llama1.8b --workers 32 --effective-tflops 400 --tokens-per-worker 65536
@@ -75,13 +91,7 @@ bench:
 bench-network:
 	$(PY) bench/network.py
 
-# The fidelity study (docs/results.md, "Fidelity"): resumable, niced; each
-# command starts no new run after --hours. Two `grid` processes may run at
-# once (lock files share the runs out). `report` and `targets` stop, changing nothing,
-# where runs/ holds fewer runs than the section was made from
-# (--allow-fewer writes it anyway).
-fidelity:
-	$(CPU8) nice -n 10 $(PY) bench/fidelity.py figures --hours 12
-	$(CPU8) nice -n 10 $(PY) bench/fidelity.py grid --hours 12
-	$(CPU8) $(PY) bench/fidelity.py report
-	$(CPU8) $(PY) bench/fidelity.py targets
+# On a CUDA machine: the update's overhead table and tests/test_gpu.py;
+# writes OUT (default runs/gpu)/optimizer_overhead.{md,json}, test_gpu.log.
+gpu-checks:
+	bash bench/gpu_checks.sh $(OUT)

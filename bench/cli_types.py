@@ -1,4 +1,5 @@
-"""argparse `type=` functions shared by the bench scripts.
+"""What the bench scripts share: argparse `type=` functions, and writers of
+their tables (a markdown file; docs/results.md's sections).
 
 Each turns a bad value into argparse's usage error (exit 2, the option and
 the value named) before any work is done, where a traceback would otherwise
@@ -11,6 +12,7 @@ come late, after minutes of compiling:
 import argparse
 import math
 import os
+import re
 
 
 def _number(text: str, kind):
@@ -63,23 +65,6 @@ def density(text: str) -> float:
   return value
 
 
-def seeds(text: str) -> tuple:
-  """Comma-separated integer seeds >= 0: '0,1,4' -> (0, 1, 4)."""
-  try:
-    values = tuple(int(x) for x in text.split(','))
-  except ValueError:
-    raise argparse.ArgumentTypeError(
-        f'{text!r} is not a comma-separated list of integer seeds') from None
-  if min(values) < 0:
-    raise argparse.ArgumentTypeError(f'{text!r}: seeds must be >= 0')
-  return values
-
-
-def positive_floats(text: str) -> tuple:
-  """Comma-separated finite numbers > 0: '0.25,2' -> (0.25, 2.0)."""
-  return tuple(positive_float(x) for x in text.split(','))
-
-
 def check_out_dir(parser: argparse.ArgumentParser, path: str) -> str:
   """Creates the output folder `path` now, or ends with a usage error.
 
@@ -94,11 +79,41 @@ def check_out_dir(parser: argparse.ArgumentParser, path: str) -> str:
   return path
 
 
-def write_markdown(out_dir: str, name: str, lines) -> str:
-  """Writes `lines` as the file `name` in `out_dir`, prints them, and
-  returns the text."""
-  text = '\n'.join(lines) + '\n'
-  with open(os.path.join(out_dir, name), 'w') as f:
+# docs/results.md is written by several scripts, each owning one part:
+# `bench/convergence.py` writes the top of the file (`write_top`, which keeps
+# the marked sections); the others own a section between
+# `<!-- begin NAME -->` and `<!-- end NAME -->` (`replace_section`).
+_SECTION = re.compile(r'<!-- begin (\S+) -->\n.*?<!-- end \1 -->\n', re.S)
+
+
+def _read(path: str) -> str:
+  if not os.path.exists(path):
+    return ''
+  with open(path, encoding='utf-8') as f:
+    return f.read()
+
+
+def sections(text: str) -> dict[str, str]:
+  """The marked sections of `text`, by name, markers included."""
+  return {m.group(1): m.group(0) for m in _SECTION.finditer(text)}
+
+
+def write_top(path: str, lines: list[str]) -> None:
+  """Writes `lines` as the top of `path`, keeping its marked sections."""
+  kept = ''.join('\n' + s for s in sections(_read(path)).values())
+  with open(path, 'w', encoding='utf-8') as f:
+    f.write('\n'.join(lines) + '\n' + kept)
+
+
+def replace_section(path: str, name: str, lines: list[str]) -> None:
+  """Replaces (or appends) the section `name` of `path` with `lines`."""
+  text = _read(path)
+  block = '\n'.join([f'<!-- begin {name} -->', *lines,
+                     f'<!-- end {name} -->']) + '\n'
+  old = sections(text).get(name)
+  if old is not None:
+    text = text.replace(old, block)
+  else:
+    text = text.rstrip('\n') + '\n\n' + block if text else block
+  with open(path, 'w', encoding='utf-8') as f:
     f.write(text)
-  print(text)
-  return text

@@ -4,54 +4,20 @@ For every (model, N, method) the REAL train step (`trainer.build_program` +
 `Program.compile_step`, shard_map over 'data', forward/backward and the
 optimizer's exchange) is compiled from abstract shapes for N simulated CPU
 devices, and its collectives are read from the optimized HLO
-(`scape_jax.analysis`). Next to each measured figure stands the analytic one:
+(`scape_jax.analysis`). Next to each measured figure stands the analytic one
+of `scape_jax.analysis.cost` (dense AdamW/AdamS, SCAPE with each mask encoding
+and the 'bf16' half-width wire, Radius per step kind and over a period of T
+steps, DeMo); measured minus analytic is reported, never hidden.
 
-  dense AdamW/AdamS  2 (N-1)/N * 4 * params                  (ring all-reduce)
-  SCAPE              payload 2 (N-1)/N * 4 * V, V = sum over compressed
-                     leaves of N*k values + the dense leaves' elements
-                     mask    (N-1)/N * 4 * N * w, w = one worker's mask words
-                     (design note, section 3; `masks.LeafLayout`)
-  SCAPE 'bf16'       payload_dtype='bfloat16', offset_bits='auto': compressed
-                     leaves' N*k values in an all-to-all + an all-gather,
-                     2 (N-1)/N * 2 * V16, the rest in an fp32 all-reduce;
-                     masks in the smallest of bitmap, int32 and 16-bit
+DiLoCo/Pier (`comm_volume_outer.*`): N/G replica groups of G = 4 workers;
+the inner and the sync step measured, the sync amortised over r steps.
 
-  Radius             dense and resample steps: the dense all-reduce;
-                     sparse steps 2 (N-1)/N * 4 * V, V = sum over compressed
-                     leaves of min(size, k (2r+1)) slots, k = ceil(d size),
-                     + the other leaves' elements; the period average is
-                     ((T-1) sparse + resample) / T (design note, "Radius")
-  DeMo               one all-gather of (N-1) * B bytes, B = sum over leaves
-                     of chunks * min(topk, chunk size) * (4 B amplitude + 1,
-                     2 or 4 B index) (design note, "DeMo")
-
-A compressed leaf whose k equals its chunk (density 1) is sent dense and has no
-mask, exactly as `scale_by_scape` does. Measured minus analytic is reported,
-never hidden. Radius has one row per step kind (each its own compiled
-program) and one for the average over a period of T steps.
-
-DiLoCo/Pier (a second table, `comm_volume_outer.*`): N workers in N/G replica
-groups of G = 4 ('replica' x 'data'); the inner step and the sync step are
-separate programs, both compiled and measured:
-
-  inner step         2 (G-1)/G * 4 * params          (AdamW within the group)
-  sync step          inner + 2 (R-1)/R * 4 * params  (mean of the change over
-                                                      the R = N/G groups)
-  amortised over r   inner + (sync - inner) / r
-  Pier's lazy start  AdamW over all N workers: the dense adamw row
-
-Rows whose program is provably identical to one already compiled share it:
-`mask_encoding='auto'` resolves to one encoding per leaf, and when that is the
-same encoding on every leaf as 'bitmap' (or 'indices'), SCAPE traces the same
-program (the encoding enters only through `LeafLayout.encoding`). Such rows
-say so in the `program` column; `--no-dedupe` compiles them anyway.
+Rows with the same per-leaf mask encodings share one compiled program (the
+`program` column says so; `--no-dedupe` compiles each). The plot
+`comm_vs_density.png`: bytes against density, llama500m at N=32.
 
   python bench/comm_volume.py                       # the full table + plot
   python bench/comm_volume.py --models llama-tiny --workers 8 --no-plot
-  python bench/comm_volume.py --models llama-tiny --workers 8 32 --no-plot \
-      --outer-only                                  # DiLoCo/Pier rows only
-  python bench/comm_volume.py --models llama-tiny --workers 8 --no-plot \
-      --methods adamw radius demo
   python bench/comm_volume.py --models llama500m --workers 32 \
       --densities 0.01 --methods adamw scape --encodings bf16 --no-plot \
       --no-outer --out docs/bench/wire     # only the half-width wire's rows
@@ -61,6 +27,7 @@ import argparse
 import concurrent.futures as cf
 import csv
 import json
+import math
 import multiprocessing
 import os
 import sys
@@ -77,19 +44,20 @@ if 'jax' not in sys.modules:  # Scripts only; tests set their own devices.
   os.environ['XLA_FLAGS'] = _flags.strip()
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 from scape_jax import analysis  # noqa: E402
+from scape_jax.analysis import cost  # noqa: E402
 from scape_jax.train import config as config_lib  # noqa: E402
 from scape_jax.train import program as program_lib  # noqa: E402
 from scape_jax import train as trainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from comm_analytic import DEMO_CHUNK, RADIUS_INTERVAL  # noqa: E402
-from comm_analytic import dense_bytes, demo_bytes, radius_bytes  # noqa: E402
-from comm_analytic import HALF_WIRE, scape_analytic  # noqa: E402
-from comm_analytic import resolved_name, scape_bytes  # noqa: E402
 import cli_types  # noqa: E402
-import comm_volume_plot  # noqa: E402
+
+DEMO_CHUNK, RADIUS_INTERVAL = cost.DEMO_CHUNK, cost.RADIUS_INTERVAL
+# Rows of the half-width wire: their options beside mask_encoding='auto'.
+HALF_WIRE = {'bf16': dict(payload_dtype='bfloat16', offset_bits='auto')}
 
 MODELS = ('llama-tiny', 'gpt345m', 'llama500m', 'llama1.8b')
 WORKERS = (8, 32)
@@ -107,17 +75,26 @@ SYNC_EVERY = (50, 500)  # r of the amortised columns (Pier's range).
 # collectives are formed and combined) are unaffected. `--full-backend-opt`.
 FAST_BACKEND_FLAG = '--xla_backend_optimization_level=0'
 OUT = os.path.join(ROOT, 'docs', 'bench')
-CSV_FIELDS = ('model', 'params', 'N', 'method', 'density', 'encoding',
-              'variant', 'resolved', 'measured_bytes', 'analytic_bytes', 'diff_bytes',
-              'measured_allreduce_bytes', 'measured_allgather_bytes',
-              'measured_alltoall_bytes',
-              'analytic_payload_bytes', 'analytic_mask_bytes',
-              'reduction_measured', 'reduction_analytic', 'program',
-              'compile_s')
+CSV_FIELDS = (
+    'model params N method density encoding variant resolved measured_bytes '
+    'analytic_bytes diff_bytes measured_allreduce_bytes '
+    'measured_allgather_bytes measured_alltoall_bytes analytic_payload_bytes '
+    'analytic_mask_bytes reduction_measured reduction_analytic program '
+    'compile_s').split()
 
 
-# ----------------------------------------------------------------------------
-# Measurement.
+def scape_analytic(shapes, n: int, density: float, encoding: str) -> dict:
+  """`cost.scape_bytes` of a row's encoding (a `HALF_WIRE` name included)."""
+  wire = HALF_WIRE.get(encoding)
+  if wire is None:
+    return cost.scape_bytes(shapes, n, density, encoding)
+  return cost.scape_bytes(shapes, n, density, 'auto', **wire)
+
+
+def resolved_name(resolved) -> str:
+  return next(iter(resolved)) if len(resolved) == 1 else (
+      'mixed' if resolved else 'dense')
+
 
 
 def make_config(model: str, n: int, method: str, density=None,
@@ -190,12 +167,12 @@ def run_group(task) -> list:
                  setting=density, encoding=None,
                  variant=f'k={density} s={DEMO_CHUNK}',
                  resolved='dense', program='compiled',
-                 analytic=demo_bytes(shapes, n, density)['bytes'])]
+                 analytic=cost.demo_bytes(shapes, n, density)['bytes'])]
   if method != 'scape':
     m = measure(make_config(model, n, method))
     return [dict(m, model=model, N=n, method=method, density=None,
                  encoding=None, resolved='dense', program='compiled',
-                 analytic=dense_bytes(m['params'], n))]
+                 analytic=cost.dense_bytes(m['params'], n))]
   done, rows, shapes = {}, [], None  # per-leaf encodings -> measurement
   # Explicit encodings first so that 'auto' can share their program.
   for enc in sorted(encodings, key=lambda e: e == 'auto'):
@@ -235,13 +212,13 @@ def run_outer_group(model: str, n: int) -> list:
   cfg = outer_config(model, n)
   inner, sync = measure(cfg, step=0), measure(cfg, step=1)
   groups, params = n // GROUP_SIZE, inner['params']
-  analytic = dense_bytes(params, GROUP_SIZE)
+  analytic = cost.dense_bytes(params, GROUP_SIZE)
   return [dict(
       model=model, N=n, method='diloco', groups=groups, params=params,
       measured_bytes=inner['measured_bytes'], analytic=analytic,
       sync_bytes=sync['measured_bytes'],
-      analytic_sync=analytic + dense_bytes(params, groups),
-      dense_over_n=dense_bytes(params, n),
+      analytic_sync=analytic + cost.dense_bytes(params, groups),
+      dense_over_n=cost.dense_bytes(params, n),
       complete=inner['complete'] and sync['complete'],
       compile_s=inner['compile_s'] + sync['compile_s'],
       program='inner and sync compiled',
@@ -256,7 +233,7 @@ def radius_rows(model: str, n: int, density: float) -> list:
   for kind in RADIUS_KINDS:
     m = measure(cfg, RADIUS_STEP[kind])
     shapes = [tuple(s) for s in m['shapes']]
-    an = radius_bytes(shapes, n, density)
+    an = cost.radius_bytes(shapes, n, density)
     rows.append(dict(m, model=model, N=n, method='radius', density=density,
                      encoding=None, variant=kind, resolved=kind,
                      program='compiled', analytic=an[kind]))
@@ -277,10 +254,6 @@ def radius_rows(model: str, n: int, density: float) -> list:
   return rows
 
 
-def _init_worker(xla_flags):
-  os.environ['XLA_FLAGS'] = xla_flags
-
-
 def run_all(tasks, jobs: int) -> list:
   """Runs the groups, `jobs` processes at a time, biggest models first."""
   size = {m: i for i, m in enumerate(MODELS)}
@@ -289,8 +262,8 @@ def run_all(tasks, jobs: int) -> list:
     return [r for t in tasks for r in _log(run_group(t))]
   ctx = multiprocessing.get_context('spawn')
   rows = []
-  with cf.ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init_worker,
-                              initargs=(os.environ['XLA_FLAGS'],)) as ex:
+  # Spawned workers inherit os.environ, XLA_FLAGS included.
+  with cf.ProcessPoolExecutor(jobs, mp_context=ctx) as ex:
     futures = [ex.submit(run_group, t) for t in tasks]
     for f in cf.as_completed(futures):
       rows += _log(f.result())
@@ -304,9 +277,6 @@ def _log(rows):
           f' s  ({r["program"]})', flush=True)
   return rows
 
-
-# ----------------------------------------------------------------------------
-# Output.
 
 
 def label(r) -> str:
@@ -354,10 +324,6 @@ def markdown(rows) -> str:
   return '\n'.join(lines)
 
 
-def _ratio(x) -> str:
-  return '' if x is None else f'{x:.3f}'
-
-
 def csv_row(r) -> dict:
   return {
       'model': r['model'], 'params': r['params'], 'N': r['N'],
@@ -372,8 +338,8 @@ def csv_row(r) -> dict:
       'measured_alltoall_bytes': f'{r["by_kind"].get("all-to-all", 0):.1f}',
       'analytic_payload_bytes': f'{r.get("analytic_payload", r["analytic"]):.1f}',
       'analytic_mask_bytes': f'{r.get("analytic_mask", 0.0):.1f}',
-      'reduction_measured': _ratio(r['reduction_measured']),
-      'reduction_analytic': _ratio(r['reduction_analytic']),
+      **{k: '' if r[k] is None else f'{r[k]:.3f}'
+         for k in ('reduction_measured', 'reduction_analytic')},
       'program': r['program'], 'compile_s': f'{r["compile_s"]:.1f}',
   }
 
@@ -469,26 +435,89 @@ def write_main(rows, table_keys, args, meta) -> None:
   print(markdown(table))
 
 
-def main(argv=None):
+
+def plot(rows, path: str, model: str, n: int) -> None:
+  """Bytes per step vs density on `model` at N = `n`, every method:
+  analytic lines, measured markers."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  pts = [r for r in rows if (r['model'], r['N']) == (model, n)]
+  dense = next(r for r in pts if r['method'] == 'adamw')
+  shapes = [tuple(s) for s in dense['shapes']]
+  grid = np.logspace(-3, 0, 121)
+  fig, ax = plt.subplots(figsize=(7.5, 5))
+  ax.axhline(dense['measured_bytes'] / 1e6, color='k', lw=1.2,
+             label='dense AdamW (measured)')
+  styles = {'bitmap': ('C0', 'o'), 'indices': ('C1', 's'), 'auto': ('C2', 'x'),
+            'bf16': ('C5', 'P')}
+  for enc, (color, marker) in styles.items():
+    ax.plot(grid, [scape_analytic(shapes, n, float(d), enc)['bytes'] / 1e6
+                   for d in grid], color=color, lw=1, alpha=0.7,
+            ls='--' if enc == 'auto' else '-', label=f'SCAPE {enc} (analytic)')
+    got = sorted((r['density'], r['measured_bytes']) for r in pts
+                 if r['method'] == 'scape' and r['encoding'] == enc)
+    ax.plot([d for d, _ in got], [b / 1e6 for _, b in got], ls='none',
+            marker=marker, color=color, ms=8 if marker == 'x' else 6,
+            mfc='none' if marker != 'x' else None,
+            label=f'SCAPE {enc} (measured, compiled HLO)')
+  _plot_radius(ax, pts, shapes, grid, n)
+  _plot_demo(ax, pts, shapes, n)
+  ax.set(xscale='log', yscale='log', xlabel='density d',
+         ylabel='MB sent per device per step (1 MB = 1e6 B)',
+         title=f'Bytes per step: {model}, N={n}')
+  ax.grid(True, which='both', alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _plot_radius(ax, pts, shapes, grid, n: int) -> None:
+  for key, ls, color in (('sparse', '-', 'C3'), ('period', ':', 'C3')):
+    ax.plot(grid, [cost.radius_bytes(shapes, n, float(d))[key] / 1e6
+                   for d in grid], color=color, ls=ls, lw=1,
+            label=f'Radius {key} (analytic, T={RADIUS_INTERVAL})')
+    got = sorted((r['density'], r['measured_bytes']) for r in pts
+                 if r['method'] == 'radius' and
+                 r['variant'].split()[0] == key)
+    ax.plot([d for d, _ in got], [b / 1e6 for _, b in got], ls='none',
+            marker='^' if key == 'sparse' else 'v', color=color, mfc='none',
+            label=f'Radius {key} (measured)')
+
+
+def _plot_demo(ax, pts, shapes, n: int) -> None:
+  """DeMo at density = coefficients sent per worker / parameters."""
+  params = sum(math.prod(s) for s in shapes)
+  full = DEMO_CHUNK * DEMO_CHUNK
+  curve = [cost.demo_bytes(shapes, n, 2**i) for i in
+           range(int(math.log2(full)) + 1)]
+  ax.plot([c['entries'] / params for c in curve],
+          [c['bytes'] / 1e6 for c in curve], color='C4', lw=1,
+          label=f'DeMo s={DEMO_CHUNK}, k = 1..{full} (analytic)')
+  got = [(cost.demo_bytes(shapes, n, r['setting'])['entries'] / params,
+          r['measured_bytes']) for r in pts if r['method'] == 'demo']
+  ax.plot([d for d, _ in got], [b / 1e6 for _, b in got], ls='none',
+          marker='D', color='C4', mfc='none', label='DeMo (measured)')
+
+
+def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--models', nargs='+', default=list(MODELS))
   p.add_argument('--workers', nargs='+', type=cli_types.positive_int,
                  default=list(WORKERS),
                  help='worker counts, at most the simulated devices (32)')
-  p.add_argument('--densities', nargs='+', type=cli_types.density,
-                 default=list(DENSITIES))
+  for name, kind, default in (
+      ('--densities', cli_types.density, DENSITIES),
+      ('--radius-densities', cli_types.density, RADIUS_DENSITIES),
+      ('--demo-topks', cli_types.positive_int, DEMO_TOPKS),
+      ('--plot-densities', cli_types.density, PLOT_DENSITIES)):
+    p.add_argument(name, nargs='+', type=kind, default=list(default))
   p.add_argument('--methods', nargs='+', choices=METHODS,
                  default=list(METHODS))
   p.add_argument('--encodings', nargs='+', choices=ENCODINGS,
-                 default=list(ENCODINGS),
-                 help="SCAPE's rows: mask encodings, and 'bf16' for the "
-                 'half-width wire')
-  p.add_argument('--radius-densities', nargs='+', type=cli_types.density,
-                 default=list(RADIUS_DENSITIES))
-  p.add_argument('--demo-topks', nargs='+', type=cli_types.positive_int,
-                 default=list(DEMO_TOPKS))
-  p.add_argument('--plot-densities', nargs='+', type=cli_types.density,
-                 default=list(PLOT_DENSITIES))
+                 default=list(ENCODINGS), help="SCAPE's rows: mask "
+                 "encodings, and 'bf16' for the half-width wire")
   p.add_argument('--no-plot', action='store_true')
   p.add_argument('--no-dedupe', action='store_true')
   outer = p.add_mutually_exclusive_group()
@@ -501,6 +530,11 @@ def main(argv=None):
   p.add_argument('--full-backend-opt', action='store_true',
                  help=f'do not add {FAST_BACKEND_FLAG} (compiles slower)')
   p.add_argument('--out', default=OUT)
+  return p
+
+
+def main(argv=None):
+  p = _parser()
   args = p.parse_args(argv)
   cli_types.check_out_dir(p, args.out)
   if not args.full_backend_opt and 'backend_optimization' not in (
@@ -527,15 +561,13 @@ def main(argv=None):
     write_outer(outer_rows, args.out, command)
   if plotting:
     png = os.path.join(args.out, 'comm_vs_density.png')
-    comm_volume_plot.plot(rows, png, PLOT_MODEL, PLOT_N)
+    plot(rows, png, PLOT_MODEL, PLOT_N)
     print(f'\nplot: {png}')
   incomplete = [label(r) for r in measured if not r['complete']]
   if incomplete:
     print(f'WARNING: collectives with unknown count in {incomplete}')
-  wrote = (['comm_volume.{csv,json,md}'] if rows else []) + (
-      ['comm_volume_outer.*'] if outer_rows else [])
   print(f'\n{len(measured)} rows from {n_groups} groups in '
-        f'{meta["wall_s"]:.0f} s; wrote {" and ".join(wrote)} in {args.out}')
+        f'{meta["wall_s"]:.0f} s; wrote {args.out}')
   return rows + outer_rows
 
 

@@ -36,7 +36,6 @@ from scape_jax.train.metrics import read_jsonl  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cli_types  # noqa: E402
-import results_md  # noqa: E402
 
 CONFIG = 'configs/shakespeare_llama_tiny.py'  # relative to ROOT
 DOCS = os.path.join(ROOT, 'docs')  # the tables and plots of this checkout
@@ -176,7 +175,7 @@ def main():
       'inside a group, i.e. on the fast links; `docs/benchmarks.md` splits '
       'them. Pier\'s first 30 steps (10%) are AdamW over all 8 workers.',
   ]
-  results_md.write_top(os.path.join(DOCS, 'results.md'), lines)  # keeps others' sections
+  cli_types.write_top(os.path.join(DOCS, 'results.md'), lines)  # keeps others' sections
   print('\n'.join(lines))
 
 

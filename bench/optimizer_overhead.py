@@ -36,6 +36,7 @@ and for SCAPE that of the same update with select='sort' beside it.
   python bench/optimizer_overhead.py --selects auto sort  # + 'sort' timed
   python bench/optimizer_overhead.py --quick         # smoke run, runs/ output
   python bench/optimizer_overhead.py --radius        # + Radius's step kinds
+  python bench/optimizer_overhead.py --methods adams scape scape_local_adam
 
 With `--radius`, Radius (`scape_jax.radius`, AdamW on the exchanged
 gradient) is timed at each density < 1 too: its sparse step and its
@@ -112,23 +113,35 @@ class Method(NamedTuple):
   select: Optional[str] = None
 
 
-def methods(densities, selects=('auto',), radius=False) -> dict:
-  """label -> Method: adamw, AdamS, and SCAPE at each density with each of
-  `selects` (density 1 selects nothing: 'auto' only); with `radius`,
+# Methods beside optax.adamw (always timed: the ratios are to it).
+# `scape_jax.scape_local_adam` (SCAPE's local-Adam mode) where it exists.
+METHODS = ('adams', 'scape') + (
+    ('scape_local_adam',) if hasattr(scape_jax, 'scape_local_adam') else ())
+
+
+def methods(densities, selects=('auto',), radius=False,
+            names=('adams', 'scape')) -> dict:
+  """label -> Method: adamw, and of `names`: AdamS, SCAPE at each density
+  with each of `selects` (density 1 selects nothing: 'auto' only), SCAPE's
+  local-Adam mode at each density (default select); with `radius`,
   Radius's sparse and resample steps at each density < 1 (`radius_methods`)."""
-  out = {
-      'optax.adamw': Method(optax.adamw(LR, b1=B1, b2=B2, weight_decay=WD),
-                            {}, {}),
-      'adams': Method(scape_jax.adams(LR, b1=B1, b2=B2, weight_decay=WD), {},
-                      {}),
-  }
+  out = {'optax.adamw': Method(
+      optax.adamw(LR, b1=B1, b2=B2, weight_decay=WD), {}, {})}
+  if 'adams' in names:
+    out['adams'] = Method(
+        scape_jax.adams(LR, b1=B1, b2=B2, weight_decay=WD), {}, {})
   for d in densities:
-    for select in selects if d < 1 else ['auto']:
+    steady = {'density_level': scape_jax.DensitySchedule(d, 0).level(1)}
+    scape_selects = (selects if d < 1 else ['auto']) if 'scape' in names else []
+    for select in scape_selects:
       name = f'scape d={d:g}' + ('' if select == 'auto' else
                                  f' select={select}')
-      out[name] = Method(scape(d, select),
-                         {'density_level': scape_jax.DensitySchedule(
-                             d, 0).level(1)}, {'density_level': 0}, d, select)
+      out[name] = Method(scape(d, select), steady, {'density_level': 0}, d,
+                         select)
+    if 'scape_local_adam' in names:  # The SCAPE-only columns stay empty.
+      out[f'scape_local_adam d={d:g}'] = Method(scape_jax.scape_local_adam(
+          LR, density=d, b1=B1, b2=B2, weight_decay=WD, axis_name=None),
+                                                steady, {'density_level': 0})
   if radius:
     out.update(radius_methods([d for d in densities if d < 1]))
   return out
@@ -251,40 +264,6 @@ def _call(fn, state, grads, params, donated: bool):
   return out[1] if donated else state
 
 
-def ab_parser(doc: str, densities, repeats: int,
-              out_name: str) -> argparse.ArgumentParser:
-  """A parser with the arguments the one-process A/B scripts share:
-  --tree, --densities, --repeats and --out (default runs/`out_name`)."""
-  p = argparse.ArgumentParser(description=doc.split('\n')[0])
-  p.add_argument('--tree', default='llama-100m', choices=sorted(TREES))
-  p.add_argument('--densities', type=cli_types.density, nargs='+',
-                 default=list(densities))
-  p.add_argument('--repeats', type=cli_types.positive_int, default=repeats)
-  p.add_argument('--out', default=os.path.join(ROOT, 'runs', out_name))
-  return p
-
-
-def prepared_on_one_state(densities, variants: dict, params, grads,
-                          programs: int) -> dict:
-  """(label, variant, program) -> `Prepared` for the one-process A/B
-  scripts: optax.adamw once (variant None), and SCAPE at each density
-  under each of `variants` (name -> a context manager factory, entered
-  while the update is traced), `programs` times each. Every SCAPE program
-  of a density runs on the state of that density's first program."""
-  methods_ = methods(densities)
-  out = {('optax.adamw', None, 0): prepare(methods_['optax.adamw'], params,
-                                           grads)}
-  for d in densities:
-    label, shared = f'scape d={d:g}', None
-    for name, context in variants.items():
-      for i in range(programs):
-        with context():
-          p = prepare(methods_[label], params, grads)
-        shared = p.state if shared is None else shared
-        out[label, name, i] = p._replace(state=shared)
-  return out
-
-
 def interleaved_times(prepared: dict, grads, params, repeats: int,
                       number: int) -> dict:
   """label -> seconds per call, `repeats` samples, methods interleaved.
@@ -309,7 +288,8 @@ DONATED = ' (state donated)'
 
 
 def bench_tree(name: str, densities, repeats=None, number=None,
-               selects=('auto',), donate=False, radius=False) -> list:
+               selects=('auto',), donate=False, radius=False,
+               names=('adams', 'scape')) -> list:
   """Times every method on one tree; returns one row per method.
 
   Small trees (< 10M parameters) take 21 samples of 20 calls each, large ones
@@ -328,7 +308,7 @@ def bench_tree(name: str, densities, repeats=None, number=None,
   small = n_params < 10_000_000
   repeats = repeats or (21 if small else 5)
   number = number or (20 if small else 1)
-  table = methods(densities, selects, radius)
+  table = methods(densities, selects, radius, names)
   prepared = {}
   for label, m in table.items():
     prepared[label] = prepare(m, params, grads)
@@ -436,8 +416,11 @@ def main(argv=None):
   p.add_argument('--selects', nargs='+', default=['auto'],
                  choices=topk.SELECTS,
                  help="SCAPE's select values to time (default: auto; 'sort' "
-                 "is lax.top_k, slow at N=1; 'pallas' interprets on CPU; "
-                 "'radix' and 'pallas_radix' are the loop-free search)")
+                 "is lax.top_k, slow at N=1; 'pallas_radix' is CUDA's)")
+  p.add_argument('--methods', nargs='+', choices=METHODS,
+                 default=['adams', 'scape'],
+                 help='what to time beside optax.adamw (default: adams '
+                 'scape)')
   p.add_argument('--donate', action='store_true',
                  help='also time every update with its state donated, as '
                  "the trainer's step runs it (rows '... (state donated)')")
@@ -464,7 +447,7 @@ def main(argv=None):
   rows = []
   for name in args.trees:
     rows += bench_tree(name, args.densities, args.repeats, args.number,
-                       args.selects, args.donate, args.radius)
+                       args.selects, args.donate, args.radius, args.methods)
   elapsed = time.perf_counter() - t0
   with open(os.path.join(args.out, 'optimizer_overhead.csv'), 'w',
             newline='') as f:

@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import convergence  # noqa: E402  (sets the 8 CPU devices before jax)
-import results_md  # noqa: E402
+import cli_types  # noqa: E402
 
 DENSITY = 0.01
 WIRES = {  # label -> overrides of the optimizer.scape section
@@ -102,7 +102,7 @@ def main():
     json.dump({'steps': args.steps, 'checks': checks, 'runs': results}, f,
               indent=1)
   lines = section(results, checks, args.steps)
-  results_md.replace_section(os.path.join(convergence.DOCS, 'results.md'),
+  cli_types.replace_section(os.path.join(convergence.DOCS, 'results.md'),
                              'wire', lines)
   print('\n'.join(lines))
 

@@ -1,37 +1,46 @@
-"""bench/optimizer_overhead.py runs end to end on its smoke settings."""
+"""bench/optimizer_overhead.py runs end to end on its smoke settings, as a
+user runs it."""
 
-import importlib.util
 import json
 import os
+import subprocess
+import sys
 
-import jax
 import pytest
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), 'bench',
-                     'optimizer_overhead.py')
-_spec = importlib.util.spec_from_file_location('optimizer_overhead', _PATH)
-oo = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(oo)
+import scape_jax
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOCAL_ADAM = hasattr(scape_jax, 'scape_local_adam')
 
 
-def _tiny_tree(name, seed=0):
-  del name
-  shapes = {'w': (64, 48), 'v': (40, 33), 'b': (48,)}
-  keys = iter(jax.random.split(jax.random.key(seed), 2 * len(shapes)))
-  return tuple({k: scale * jax.random.normal(next(keys), s)
-                for k, s in shapes.items()} for scale in (0.02, 1e-3))
-
-
-def test_quick_run_has_every_column(tmp_path, monkeypatch):
-  monkeypatch.setattr(oo, 'param_tree', _tiny_tree)  # compiles in seconds
-  rows = oo.main(['--quick', '--densities', '1', '0.01', '--out',
-                  str(tmp_path)])
-  by = {r['method']: r for r in rows}
-  assert list(by) == ['optax.adamw', 'adams', 'scape d=1', 'scape d=0.01']
+def test_quick_run_has_every_column(tmp_path):
+  argv = ['--quick', '--repeats', '4', '--densities', '1', '0.01', '--out',
+          str(tmp_path)]
+  if LOCAL_ADAM:
+    argv += ['--methods', 'adams', 'scape', 'scape_local_adam']
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, 'bench', 'optimizer_overhead.py'),
+       *argv], capture_output=True, text=True, timeout=600,
+      env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads((tmp_path / 'optimizer_overhead.json').read_text())
+  by = {r['method']: r for r in out['rows']}
+  want = ['optax.adamw', 'adams', 'scape d=1', 'scape d=0.01']
+  if LOCAL_ADAM:
+    want[3:3] = ['scape_local_adam d=1']
+    want += ['scape_local_adam d=0.01']
+  assert list(by) == want
+  # --quick fills in only what was not given: llama-tiny, 2 calls a sample.
+  assert {(r['tree'], r['repeats'], r['number']) for r in by.values()} == {
+      ('llama-tiny', 4, 2)}
   assert by['optax.adamw']['ratio_vs_adamw'] == 1.0
-  assert all(r['tree'] == 'llama-tiny' and r['repeats'] == 3 for r in rows)
+  # State: adamw's two fp32 moments, AdamS's one, each with a step count.
+  params = by['optax.adamw']['params']
+  assert by['optax.adamw']['state_bytes'] == 8 * params + 4
+  assert by['adams']['state_bytes'] == 4 * params + 4
   sparse = by['scape d=0.01']
-  for how in oo.SELECTIONS:
+  for how in ('topk', 'select'):
     for n in (1, 32):
       assert sparse[f'{how}_ms_N{n}'] > 0
   # The one-of-32 selection's ratio is to adamw's update timed beside it,
@@ -43,7 +52,6 @@ def test_quick_run_has_every_column(tmp_path, monkeypatch):
   assert sparse['temp_bytes'] > 0 and sparse['temp_bytes_sort'] > 0
   assert by['scape d=1']['topk_ms_N1'] is None  # nothing is selected
   assert by['scape d=1']['temp_bytes_sort'] is None
-  meta = json.loads((tmp_path / 'optimizer_overhead.json').read_text())
-  assert meta['meta']['command'].endswith(f'--out {tmp_path}')
+  assert out['meta']['command'].endswith(' '.join(argv))
   table = (tmp_path / 'optimizer_overhead.md').read_text()
-  assert table.count('| llama-tiny |') == 4
+  assert table.count('| llama-tiny |') == len(want)

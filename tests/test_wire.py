@@ -1,9 +1,6 @@
 """SCAPE's half-width wire: 16-bit payload with its rounding fed back, and
 16-bit offsets (docs/design.md, "Half-width wire")."""
 
-import importlib.util
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,17 +9,12 @@ import pytest
 
 import scape_jax
 from scape_jax import analysis
+from scape_jax.analysis import cost
 from scape_jax.comm import masks
 from scape_jax.comm import payload
 from scape_jax.train import config
 from tests.mesh_runner import MeshRunner, random_params, worker_grads
 from tests.reference_wire import HalfWireScapeReference, ROUND
-
-_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), 'bench',
-                     'comm_analytic.py')
-_spec = importlib.util.spec_from_file_location('comm_analytic', _PATH)
-comm_analytic = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(comm_analytic)
 
 SHAPES = {'w1': (64, 40), 'w2': (13, 7), 'b': (7,), 's': (40,)}
 # A chunk of 66,560 entries over 8 workers: two 16-bit sub-blocks.
@@ -170,10 +162,10 @@ def test_each_leaf_gets_the_smallest_allowed_encoding():
   assert big.encoding(2000, 'auto', 16) == 'indices16'
   assert big.encoding(13_000, 'auto', 'auto') == 'bitmap'  # 6503 > 6250
   shapes = [(1024, 520), (64, 40), (13, 7), (40,)]  # chunks 66560, 320, 12
-  got = comm_analytic.scape_bytes(shapes, 8, 0.01, 'auto', offset_bits='auto')
+  got = cost.scape_bytes(shapes, 8, 0.01, 'auto', offset_bits='auto')
   assert got['per_leaf'] == ('indices16', 'indices16', 'bitmap', None)
   assert got['mask_words'] == 333 + 1 + 2 + 1
-  got = comm_analytic.scape_bytes(shapes, 8, 0.01, 'auto')  # the default
+  got = cost.scape_bytes(shapes, 8, 0.01, 'auto')  # the default
   assert got['per_leaf'] == ('indices', 'indices', 'bitmap', None)
 
 
@@ -210,7 +202,7 @@ def test_bytes_from_compiled_hlo_equal_the_analytic_formula():
   for c in cols:
     by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.bytes_sent
   shapes = [np.shape(params[k]) for k in sorted(params)]
-  an = comm_analytic.scape_bytes(shapes, n, density, 'auto', 'bfloat16',
+  an = cost.scape_bytes(shapes, n, density, 'auto', 'bfloat16',
                                  'auto')
   table = analysis.format_table(cols)
   assert {c.dtype for c in cols if c.kind == 'all-to-all'} == {'u16'}, table
@@ -219,7 +211,7 @@ def test_bytes_from_compiled_hlo_equal_the_analytic_formula():
       an['mask_bytes'] + an['payload_gather_bytes']), table
   assert by_kind['all-reduce'] == pytest.approx(an['allreduce_bytes']), table
   assert analysis.bytes_sent(cols) == pytest.approx(an['bytes'])
-  fp32 = comm_analytic.scape_bytes(shapes, n, density, 'auto')
+  fp32 = cost.scape_bytes(shapes, n, density, 'auto')
   assert an['bytes'] < 0.55 * fp32['bytes']
 
 
