@@ -3,7 +3,7 @@
 PY ?= python3
 CPU8 = JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8
 
-.PHONY: install install-hf install-eval test test-hf demo bench \
+.PHONY: install install-hf install-eval test test-fast test-hf demo bench \
 	bench-comm bench-overhead bench-fcdp bench-projected bench-network \
 	gpu-checks dry-run memory-table results results-wire eval-downstream
 
@@ -20,10 +20,15 @@ install-eval: install-hf
 
 # Two pytest workers (pytest-xdist), each test file on one worker (module
 # fixtures and the network-namespace tests stay together); TEST_WORKERS=0
-# runs the suite in this process.
+# runs the suite in this process. `make test` runs every tier (unit,
+# integration, system: tests/tier_map.py); `make test-fast` the unit tier.
 TEST_WORKERS ?= 2
+XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 test:
-	$(CPU8) $(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
+	$(CPU8) $(PY) -m pytest -q $(XDIST) tests
+
+test-fast:
+	$(CPU8) $(PY) -m pytest -q $(XDIST) -m unit tests
 
 # Logit parity with transformers, export and import (needs make install-hf;
 # `make test` skips these without it).

@@ -29,6 +29,24 @@ jax.config.update("jax_default_matmul_precision", "highest")
 import pytest  # noqa: E402
 
 from scape_jax.data.prepare import make_synthetic_corpus  # noqa: E402
+import tier_map  # noqa: E402  (tests/ is on sys.path: it has no __init__.py)
+
+
+def pytest_collection_modifyitems(config, items):
+  """Marks each test with its tier (tests/tier_map.py): `-m unit` is
+  `make test-fast`. A test file missing from tier_map.MODULE_TIERS is marked
+  `system` and fails tests/test_tiers.py."""
+  del config
+  for item in items:
+    module = item.path.stem
+    own = tuple(m.name for m in item.iter_markers() if m.name in tier_map.TIERS)
+    function = getattr(item, 'originalname', None) or item.name
+    try:
+      tier = tier_map.tier_of(module, function, own)
+    except ValueError as e:
+      raise pytest.UsageError(str(e)) from None
+    if not own:
+      item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture(scope="session")
