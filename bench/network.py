@@ -28,7 +28,7 @@ What is measured, per (method, link):
 * the median step time over the steps after `--warmup`, from the
   `wall_time` the trainer logs when each step's metrics arrive (log_every=1);
   DiLoCo and Pier (sync steps are periodic spikes): the MEAN over whole
-  sync intervals, beside each phase's median (bench/network_outer.py);
+  sync intervals, beside each phase's median (`scape_jax.analysis.runs`);
 * bytes each worker sent per step, from the kernel's counters of its link
   (the bridge port's rx counters = the worker's eth0 tx counters), polled
   every 10 ms and interpolated at the first and last timed step; the TCP
@@ -67,9 +67,8 @@ sys.path[:0] = [p for p in (ROOT, os.path.join(ROOT, 'bench'))
 
 import cli_types  # noqa: E402  pylint: disable=g-import-not-at-top
 import netlab  # noqa: E402  pylint: disable=g-import-not-at-top
-import network_outer  # noqa: E402  pylint: disable=g-import-not-at-top
-from network_read import read_job, read_reference  # noqa: E402  pylint: disable=g-import-not-at-top
 import network_report  # noqa: E402  pylint: disable=g-import-not-at-top
+from scape_jax.analysis import runs  # noqa: E402  pylint: disable=g-import-not-at-top
 
 TRAIN = os.path.join(ROOT, 'train.py')
 
@@ -115,6 +114,77 @@ SHARED = {
 }
 SAMPLE_INTERVAL_S = 0.01  # counters polled 100 times a second (~1% of a core)
 _CLUSTER_VARS = ('SLURM_NTASKS', 'OMPI_COMM_WORLD_SIZE')
+
+
+# ----------------------------------------------------------------------------
+# Reading back what a job measured, from its directory: metrics.jsonl, the
+# collectives tables process 0 printed, the kernel's counters.
+
+CONFIG_FILE = 'bench_config.json'  # the config lines a run was started with
+
+
+def write_config(out_dir: str, overrides: dict) -> None:
+  with open(os.path.join(out_dir, CONFIG_FILE), 'w') as f:
+    json.dump(overrides, f, indent=1)
+
+
+def step_phases(out_dir: str) -> dict:
+  """{step t: the phase of its update} of the run in `out_dir`, as the
+  trainer picks its program (`Method.update_kwargs(t - 1)['phase']` of the
+  run's config); {} for a method without phases or no bench_config.json."""
+  path = os.path.join(out_dir, CONFIG_FILE)
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    overrides = json.load(f)
+  from scape_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  from scape_jax.train import methods  # pylint: disable=g-import-not-at-top
+  cfg = config_lib.load(None, config_args(overrides))
+  method = methods.build(cfg.optimizer, cfg.steps)
+  phases = {t: method.update_kwargs(t - 1).get('phase')
+            for t in range(1, cfg.steps + 1)}
+  return phases if any(phases.values()) else {}
+
+
+def summarize_job(out_dir: str, warmup: int) -> dict:
+  """`runs.summarize` of one run's metrics.jsonl and phases."""
+  from scape_jax.train import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  metrics = {r['step']: r for r in metrics_lib.read_jsonl(
+      os.path.join(out_dir, 'metrics.jsonl')) if r['split'] == 'train'}
+  return runs.summarize(metrics, warmup, step_phases(out_dir))
+
+
+def kernel_bytes(samples_path: str, t0: float, t1: float, steps: int) -> list:
+  """Per worker, per step between wall times t0 and t1, as the kernel
+  counted them (the port's rx = what the worker sent)."""
+  times, values = netlab.read_samples(samples_path)
+  delta = (netlab.counters_at(times, values, t1) -
+           netlab.counters_at(times, values, t0)) / steps
+  col = {c: j for j, c in enumerate(netlab.COUNTERS)}
+  return [{'tx_bytes': d[col['rx_bytes']], 'tx_frames': d[col['rx_packets']],
+           'payload': d[col['rx_bytes']] - netlab.HEADER_BYTES * d[
+               col['rx_packets']], 'rx_bytes': d[col['tx_bytes']]}
+          for d in delta]
+
+
+def read_job(out_dir: str, warmup: int) -> dict:
+  """Everything a cluster job measured, read back from its directory."""
+  job = summarize_job(out_dir, warmup)
+  job['per_worker'] = kernel_bytes(os.path.join(out_dir, 'counters.txt'),
+                                   job['t0'], job['t1'], job['timed_steps'])
+  tables = runs.collective_tables(os.path.join(out_dir, 'worker0.log'))
+  job['collectives'] = tables[0][1]
+  job['phase_collectives'] = {phase: cols for phase, cols in tables if phase}
+  with open(os.path.join(out_dir, 'qdisc.json')) as f:
+    job['qdisc'] = json.load(f)
+  return job
+
+
+def read_reference(root: str, warmup: int) -> dict:
+  """The median over the N=1 copies of their step."""
+  return runs.median_of_copies([
+      summarize_job(os.path.join(root, d), warmup)
+      for d in sorted(os.listdir(root)) if d.startswith('copy')])
 
 
 # ----------------------------------------------------------------------------
@@ -200,7 +270,7 @@ def launch(cluster: netlab.Cluster, overrides: list, out_dirs: list,
   try:
     for i in range(n):
       os.makedirs(out_dirs[i], exist_ok=True)
-      network_outer.write_config(out_dirs[i], overrides[i])
+      write_config(out_dirs[i], overrides[i])
       logs.append(os.path.join(out_dirs[i], f'worker{i}.log'))
       files.append(open(logs[-1], 'wb'))  # pylint: disable=consider-using-with
       dist = [] if coordinator is None else [

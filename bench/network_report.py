@@ -32,7 +32,7 @@ FIELDS = (
     'payload_vs_hlo', 'payload_minus_hlo_bytes', 'kernel_rx_bytes',
     'qdisc_drops', 'model_compute_ms', 'model_comm_ms', 'proj_step_ms',
     'proj_step_ms_mask_overlap', 'proj_step_ms_nominal', 'final_loss',
-    # DiLoCo and Pier (bench/network_outer.py); step_ms is then the mean.
+    # DiLoCo and Pier (scape_jax.analysis.runs); step_ms is then the mean.
     'step_stat', 'sync_every', 'window', 'intervals', 'inner_step_ms',
     'sync_step_ms', 'lazy_step_ms', 'lazy_steps', 'hlo_inner_bytes',
     'hlo_sync_bytes')

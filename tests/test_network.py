@@ -24,11 +24,12 @@ import time
 import numpy as np
 import pytest
 
+from scape_jax.analysis import runs
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / 'bench'))
 netlab = importlib.import_module('netlab')
 network = importlib.import_module('network')
-network_read = importlib.import_module('network_read')
 
 STEPS, WARMUP = 6, 2
 # Cuts each worker's XLA:CPU compile time about in half.
@@ -159,10 +160,10 @@ def test_collectives_table_round_trips_through_the_log(tmp_path):
   log = tmp_path / 'worker0.log'
   log.write_text('[Gloo] noise\ncollectives of the train step, per device per '
                  f'step:\n{analysis.format_table(cols)}\nstep 1 | loss 5\n')
-  assert network_read.hlo_collectives(str(log)) == cols
+  assert runs.collective_tables(str(log)) == [(None, cols)]
   (tmp_path / 'empty.log').write_text('Traceback\n')
   with pytest.raises(ValueError, match='no collectives table'):
-    network_read.hlo_collectives(str(tmp_path / 'empty.log'))
+    runs.collective_tables(str(tmp_path / 'empty.log'))
 
 
 def test_kernel_bytes_interpolate_the_counters(tmp_path):
@@ -174,21 +175,21 @@ def test_kernel_bytes_interpolate_the_counters(tmp_path):
   for t in range(4):
     lines.append(f'{100 + t} {1000 * t} {10 * t} 0 0 0 0 {1000 * t} {10 * t}')
   path.write_text('\n'.join(lines) + '\n12 3')  # a cut last line is ignored
-  got = network_read.kernel_bytes(str(path), 100.5, 102.5, steps=4)
+  got = network.kernel_bytes(str(path), 100.5, 102.5, steps=4)
   assert got[0]['tx_bytes'] == pytest.approx(500)  # 2000 B over 4 steps
   assert got[0]['tx_frames'] == pytest.approx(5)
   assert got[0]['payload'] == pytest.approx(500 - 5 * netlab.HEADER_BYTES)
   assert got[1]['tx_bytes'] == 0 and got[1]['rx_bytes'] == pytest.approx(500)
   with pytest.raises(ValueError, match='outside the samples'):
-    network_read.kernel_bytes(str(path), 99.0, 102.0, steps=1)
+    network.kernel_bytes(str(path), 99.0, 102.0, steps=1)
 
 
 def test_step_times_are_differences_of_wall_times():
   metrics = {s: {'wall_time': t} for s, t in
              [(1, 10.0), (2, 11.5), (3, 12.0), (4, 14.0), (5, 15.0)]}
-  assert network_read.step_times(metrics, warmup=2) == [0.5, 2.0, 1.0]
+  assert runs.step_times(metrics, warmup=2) == [0.5, 2.0, 1.0]
   with pytest.raises(ValueError, match='need more than --warmup 5'):
-    network_read.step_times(metrics, warmup=5)
+    runs.step_times(metrics, warmup=5)
 
 
 def test_report_verdicts(tmp_path):
@@ -262,8 +263,7 @@ def _write_run(out_dir, overrides, wall, comm):
   """A run directory as the bench leaves it: its config and metrics."""
   import json
   out_dir.mkdir(parents=True, exist_ok=True)
-  outer = importlib.import_module('network_outer')
-  outer.write_config(str(out_dir), overrides)
+  network.write_config(str(out_dir), overrides)
   with open(out_dir / 'metrics.jsonl', 'w') as f:
     for t in sorted(wall):
       f.write(json.dumps({'step': t, 'split': 'train', 'wall_time': wall[t],
@@ -275,9 +275,8 @@ def test_pier_window_is_whole_sync_intervals_after_the_lazy_start(tmp_path):
   # steps take 1 s, sync steps 4 s, lazy-start steps 2 s (lazy_sync 2.5 s).
   over = network.job_overrides(network.METHODS['Pier'], network.SHARED, 4,
                                1, 12, 'd', str(tmp_path))
-  outer = importlib.import_module('network_outer')
   _write_run(tmp_path, over, {}, None)
-  phases = outer.step_phases(str(tmp_path))
+  phases = network.step_phases(str(tmp_path))
   assert [phases[t] for t in range(1, 10)] == [
       'lazy', 'lazy', 'lazy_sync', 'lazy', 'lazy', 'lazy_sync', 'lazy',
       'switch', 'sync']
@@ -291,7 +290,7 @@ def test_pier_window_is_whole_sync_intervals_after_the_lazy_start(tmp_path):
     clock += cost[phases[t]] + (7.0 if t == 9 else 0.0)  # first sync: slow
     wall[t] = clock
   _write_run(tmp_path, over, wall, lambda t: byte[phases[t]])
-  job = network_read.summarize_job(str(tmp_path), warmup=3)
+  job = network.summarize_job(str(tmp_path), warmup=3)
   # The window: after the first sync at/after the warm-up (t = 9), to t = 21.
   assert job['window'] == (10, 21) and job['intervals'] == 4
   assert job['timed_steps'] == 12 and job['sync_every'] == 3
@@ -306,7 +305,7 @@ def test_pier_window_is_whole_sync_intervals_after_the_lazy_start(tmp_path):
   _write_run(tmp_path / 'adamw', network.job_overrides(
       network.METHODS['AdamW'], network.SHARED, 4, 1, 12, 'd', 'o'),
              wall, lambda t: 7)
-  assert network_read.summarize_job(str(tmp_path / 'adamw'), 3)['step_stat'] == (
+  assert network.summarize_job(str(tmp_path / 'adamw'), 3)['step_stat'] == (
       'median')
 
 
@@ -320,8 +319,8 @@ def test_collectives_tables_per_program(tmp_path):
       f'{analysis.format_table(sync)}\n'
       'collectives of the train step (density_level=1, phase=inner), per '
       f'device per step:\n{analysis.format_table(inner)}\nstep 1 | loss 5\n')
-  assert network_read.hlo_tables(str(log)) == [('sync', sync), ('inner', inner)]
-  assert network_read.hlo_collectives(str(log)) == sync  # the last step's
+  assert runs.collective_tables(str(log)) == [('sync', sync),
+                                               ('inner', inner)]
 
 
 def test_report_of_outer_rows(tmp_path):

@@ -1,4 +1,6 @@
-"""Analysis tools: bytes on the wire read from compiled programs, ring costs.
+"""Analysis tools: bytes on the wire read from compiled programs, each
+method's bytes predicted from its parameter shapes (`cost`), and what a
+finished run's log and metrics say (`runs`).
 
 Nothing in the optimizers or the train step imports this package; the trainer
 and the benchmarks use it to report what a compiled step sends.
@@ -21,6 +23,8 @@ from scape_jax.analysis.hlo import replica_groups
 from scape_jax.analysis.memory import argument_bytes_by_kind
 from scape_jax.analysis.memory import host_argument_bytes
 from scape_jax.analysis.memory import offloaded_bytes
+from scape_jax.analysis import cost
+from scape_jax.analysis import runs
 from scape_jax.analysis import traffic
 
 __all__ = [
@@ -29,5 +33,5 @@ __all__ = [
     'collectives_from_hlo', 'dtype_bytes', 'format_table',
     'host_argument_bytes', 'offloaded_bytes', 'replica_groups',
     'ring_all_gather_bytes', 'ring_all_reduce_bytes',
-    'ring_reduce_scatter_bytes', 'traffic',
+    'ring_reduce_scatter_bytes', 'cost', 'runs', 'traffic',
 ]
