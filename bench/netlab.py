@@ -32,6 +32,8 @@ killed run (its owner pid is gone) is removed by `cleanup_stale()`, which
 every new cluster calls first; `python bench/netlab.py cleanup` does it by hand.
 
   python bench/netlab.py cleanup             # remove leftovers of killed runs
+  python bench/netlab.py hold 2              # a cluster to look at, until
+                                             # Ctrl-C or SIGTERM
 """
 
 import argparse
@@ -527,6 +529,9 @@ def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   sub = p.add_subparsers(dest='cmd', required=True)
   sub.add_parser('cleanup', help='remove the namespaces of killed runs')
+  s = sub.add_parser('hold', help='build a cluster, print its tag, keep it '
+                     'until Ctrl-C or SIGTERM')
+  s.add_argument('workers', type=cli_types.positive_int)
   s = sub.add_parser('sample', help='(internal) poll counters into a file')
   s.add_argument('--out', required=True)
   s.add_argument('--interval', type=cli_types.positive_float, default=0.02)
@@ -539,9 +544,20 @@ def main(argv=None) -> None:
   s.add_argument('--pings', type=cli_types.positive_int, default=50)
   s.add_argument('--bulk-s', type=cli_types.positive_float, default=2.0)
   args = p.parse_args(argv)
+  if args.cmd in ('cleanup', 'hold'):
+    try:
+      require_privileges()
+    except NetlabError as e:
+      p.exit(2, f'error: {e}\n')
   if args.cmd == 'cleanup':
-    require_privileges()
     print(f'removed: {cleanup_stale() or "nothing"}')
+  elif args.cmd == 'hold':
+    with contextlib.suppress(KeyboardInterrupt), signals_raise(), Cluster(
+        args.workers) as cluster:
+      print(cluster.tag, ' '.join(cluster.address(i)
+                                  for i in range(args.workers)), flush=True)
+      while True:
+        time.sleep(3600)
   elif args.cmd == 'sample':
     sample(args.out, args.interval, args.devices)
   elif args.cmd == 'probe-server':
