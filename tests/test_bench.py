@@ -4,9 +4,6 @@ the bytes read from the compiled train steps against the analytic bytes of
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 from flax import nnx
 import jax
@@ -15,23 +12,17 @@ import pytest
 import models
 from scape_jax import analysis
 from scape_jax.analysis import cost
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import bench_scripts
 
 
 @pytest.fixture(scope='module')
 def comm_volume(tmp_path_factory):
   """The script's JSON files: SCAPE d=0.01 'auto' and DiLoCo 2 x 4."""
   out = tmp_path_factory.mktemp('comm_volume')
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env.pop('XLA_FLAGS', None)  # the script simulates its 32 devices
-  proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, 'bench', 'comm_volume.py'),
-       '--models', 'llama-tiny', '--workers', '8', '--methods', 'scape',
-       '--densities', '0.01', '--encodings', 'auto', '--no-plot', '--jobs',
-       '1', '--out', str(out)], capture_output=True, text=True, env=env,
-      timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  bench_scripts.check('comm_volume', '--models', 'llama-tiny', '--workers', 8,
+                      '--methods', 'scape', '--densities', 0.01,
+                      '--encodings', 'auto', '--no-plot', '--jobs', 1,
+                      '--out', out)
   with open(out / 'comm_volume.json') as f:
     main = json.load(f)
   with open(out / 'comm_volume_outer.json') as f:

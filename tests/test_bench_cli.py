@@ -2,13 +2,9 @@
 usage error (exit 2, naming the option and the value) before any work, never
 a traceback after minutes of compiling, a silent default or an empty table."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import bench_scripts
 
 # (script, argv, what stderr says). {file} is a regular file, {missing} a
 # path that does not exist. One case per kind of check and script.
@@ -64,11 +60,7 @@ def test_bad_values_are_usage_errors(script, argv, message, tmp_path):
   a_file.write_text('')
   fill = {'file': str(a_file), 'missing': str(tmp_path / 'missing')}
   argv = [a.format(**fill) for a in argv]
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env.pop('XLA_FLAGS', None)  # each script sets its own devices
-  proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, 'bench', f'{script}.py'), *argv],
-      capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+  proc = bench_scripts.run(script, *argv, cwd=tmp_path)
   assert proc.returncode == 2, proc.stderr
   assert message in proc.stderr
   assert 'Traceback' not in proc.stderr

@@ -2,15 +2,11 @@
 user runs it."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 import scape_jax
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import bench_scripts
 LOCAL_ADAM = hasattr(scape_jax, 'scape_local_adam')
 
 
@@ -19,11 +15,7 @@ def test_quick_run_has_every_column(tmp_path):
           str(tmp_path)]
   if LOCAL_ADAM:
     argv += ['--methods', 'adams', 'scape', 'scape_local_adam']
-  proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, 'bench', 'optimizer_overhead.py'),
-       *argv], capture_output=True, text=True, timeout=600,
-      env=dict(os.environ, JAX_PLATFORMS='cpu'))
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  bench_scripts.check('optimizer_overhead', *argv)
   out = json.loads((tmp_path / 'optimizer_overhead.json').read_text())
   by = {r['method']: r for r in out['rows']}
   want = ['optax.adamw', 'adams', 'scape d=1', 'scape d=0.01']

@@ -3,25 +3,16 @@ the sums of the collectives it read, and each FCDP switch's claim, checked
 here on those collectives, holds in the compiled programs."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import bench_scripts
 
 
 @pytest.fixture(scope='module')
 def rows(tmp_path_factory):
   out = tmp_path_factory.mktemp('fcdp')
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env.pop('XLA_FLAGS', None)  # the script simulates its 8 devices
-  proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, 'bench', 'fcdp_volume.py'),
-       '--models', 'gpt-tiny', '--out', str(out)], capture_output=True,
-      text=True, env=env, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  bench_scripts.check('fcdp_volume', '--models', 'gpt-tiny', '--out', out)
   with open(out / 'fcdp_volume.json') as f:
     return {(r['workload'], r['variant']): r for r in json.load(f)['rows']}
 
