@@ -18,12 +18,15 @@ install-hf:
 install-eval: install-hf
 	$(PY) -m pip install -q -r requirements-eval.txt
 
-# Two pytest workers (pytest-xdist), each test file on one worker (module
-# fixtures and the network-namespace tests stay together); TEST_WORKERS=0
-# runs the suite in this process. `make test` runs every tier (unit,
-# integration, system: tests/tier_map.py); `make test-fast` the unit tier.
+# Two pytest workers (pytest-xdist). Each test file runs on one worker
+# (module fixtures and the network-namespace tests stay together), but the
+# files of independent subprocess runs, whose tests go to either; the
+# slowest files start first (tests/tier_map.py: SPLIT, SLOW_FIRST).
+# TEST_WORKERS=0 runs the suite in this process. `make test` runs every tier
+# (unit, integration, system: tests/tier_map.py); `make test-fast` the unit
+# tier.
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 test:
 	$(CPU8) $(PY) -m pytest -q $(XDIST) tests
 

@@ -35,7 +35,9 @@ import tier_map  # noqa: E402  (tests/ is on sys.path: it has no __init__.py)
 def pytest_collection_modifyitems(config, items):
   """Marks each test with its tier (tests/tier_map.py): `-m unit` is
   `make test-fast`. A test file missing from tier_map.MODULE_TIERS is marked
-  `system` and fails tests/test_tiers.py."""
+  `system` and fails tests/test_tiers.py. Groups each file's tests for
+  xdist's loadgroup (but those of tier_map.SPLIT) and puts the slowest files
+  first."""
   del config
   for item in items:
     module = item.path.stem
@@ -47,6 +49,10 @@ def pytest_collection_modifyitems(config, items):
       raise pytest.UsageError(str(e)) from None
     if not own:
       item.add_marker(getattr(pytest.mark, tier))
+    if module not in tier_map.SPLIT:
+      item.add_marker(pytest.mark.xdist_group(module))
+  # Stable: each file's tests keep their order (and stay together).
+  items.sort(key=lambda item: tier_map.order_key(item.path.stem))
 
 
 @pytest.fixture(scope="session")

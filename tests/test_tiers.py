@@ -29,6 +29,8 @@ def test_every_test_file_has_a_tier():
   stale = sorted(set(tier_map.MODULE_TIERS) - files)
   assert not stale, f'MODULE_TIERS names files that are gone: {stale}'
   assert set(tier_map.MODULE_TIERS.values()) <= set(tier_map.TIERS)
+  scheduled = sorted(set(tier_map.SPLIT + tier_map.SLOW_FIRST) - files)
+  assert not scheduled, f'SPLIT/SLOW_FIRST name files that are gone: {scheduled}'
 
 
 def test_every_per_test_tier_names_a_test_of_its_file():

@@ -63,6 +63,7 @@ MODULE_TIERS = {
     'test_radix': UNIT,
     'test_readme': UNIT,
     'test_resilience': INTEGRATION,
+    'test_run_output': INTEGRATION,
     'test_scape': UNIT,
     'test_scape_local_adam': UNIT,
     'test_step': UNIT,
@@ -98,6 +99,9 @@ TEST_TIERS = {
     ('test_radius', 'test_trainer_resumes_bit_exactly_and_logs_bytes_per_kind'):
         INTEGRATION,
     ('test_readme', 'test_readme_block_runs'): SYSTEM,
+    ('test_run_output', 'test_flops_of_llama_tiny_by_hand'): UNIT,
+    ('test_run_output',
+     'test_log_lines_never_share_a_terminal_line_with_the_bar'): SYSTEM,
     ('test_update_count', 'test_a_skipped_update_is_a_dropped_batch'):
         INTEGRATION,
     ('test_update_count', 'test_a_resumed_run_keeps_the_count_of_skipped_steps'):
@@ -105,6 +109,28 @@ TEST_TIERS = {
     ('test_update_count',
      'test_radius_resumed_with_an_earlier_resample_is_refused'): INTEGRATION,
 }
+
+
+# Scheduling under `make test` (pytest-xdist, --dist loadgroup,
+# --no-loadscope-reorder): each test file runs whole on one worker (its module
+# fixtures are built once), except the files in SPLIT, whose tests are
+# independent runs of other processes and go to whichever worker is free.
+# Files in SLOW_FIRST (slowest first, by `pytest --durations`) start before
+# the rest so that no long file is left running alone at the end.
+SPLIT = ('test_multiprocess', 'test_cli', 'test_outdir')
+SLOW_FIRST = (
+    'test_multiprocess', 'test_cli', 'test_outdir', 'test_resilience',
+    'test_train', 'test_offload', 'test_radius', 'test_models',
+    'test_diloco_train', 'test_packaging', 'test_update_count', 'test_config',
+    'test_fcdp', 'test_demo', 'test_lora',
+)
+
+
+def order_key(module: str) -> int:
+  """Where the tests of `module` go in the run (smaller first)."""
+  if module in SLOW_FIRST:
+    return SLOW_FIRST.index(module)
+  return len(SLOW_FIRST)
 
 
 def tier_of(module: str, function: str, own: tuple = ()) -> str:
