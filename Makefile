@@ -5,7 +5,8 @@ CPU8 = JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8
 
 .PHONY: install install-hf install-eval test test-fast test-hf demo bench \
 	bench-comm bench-overhead bench-fcdp bench-projected bench-network \
-	gpu-checks dry-run memory-table results results-wire eval-downstream
+	gpu-checks dry-run memory-table results results-wire results-modes \
+	first-step eval-downstream
 
 install:
 	$(PY) -m pip install -q -r requirements.txt
@@ -67,6 +68,17 @@ results:
 results-wire:
 	rm -rf runs/wire_fidelity
 	$(CPU8) $(PY) bench/wire_fidelity.py --steps 300
+
+# AdamS, SCAPE's Algorithm 1 and scape_local_adam at d=0.1 and 0.01, five
+# seeds each (docs/results.md, "SCAPE's modes"); runs in runs/scape_modes
+# are reused.
+results-modes:
+	$(CPU8) $(PY) bench/scape_modes.py --seeds 0,1,2,3,4
+
+# Time to the first step, SCAPE beside AdamS: the demo and the llama500m dry
+# run (docs/bench/first_step.{json,md}).
+first-step:
+	$(PY) bench/first_step.py --repeats 2
 
 # Regenerates docs/bench/'s tables and plot (docs/benchmarks.md); each part
 # is its own target below.

@@ -33,25 +33,29 @@ DOCS = os.path.join(ROOT, 'docs')
 CONFIG = os.path.join(ROOT, 'configs', 'shakespeare_llama_tiny.py')
 SCAPE = ['--config.optimizer.name=scape']
 LOCAL = SCAPE + ['--config.optimizer.scape.local_adam=true']
-# (label, density or None, overrides)
+INTERLEAVED = LOCAL + ['--config.optimizer.scape.interleaved_leaves='
+                       'embed_tokens']
+# (run name, label, density or None, overrides)
 METHODS = [
-    ('AdamS', None, ['--config.optimizer.name=adams']),
-    ('SCAPE (Algorithm 1)', 0.1, SCAPE),
-    ('SCAPE (Algorithm 1)', 0.01, SCAPE),
-    ('scape_local_adam', 0.1, LOCAL),
-    ('scape_local_adam', 0.01, LOCAL),
+    ('adams', 'AdamS', None, ['--config.optimizer.name=adams']),
+    ('scape', 'SCAPE (Algorithm 1)', 0.1, SCAPE),
+    ('scape', 'SCAPE (Algorithm 1)', 0.01, SCAPE),
+    ('scape_local_adam', 'scape_local_adam', 0.1, LOCAL),
+    ('scape_local_adam', 'scape_local_adam', 0.01, LOCAL),
+    ('scape_local_adam_il', 'scape_local_adam, embedding interleaved', 0.01,
+     INTERLEAVED),
 ]
 BEGIN, END = '<!-- begin scape-modes -->', '<!-- end scape-modes -->'
 
 
-def run_name(label: str, density, seed: int) -> str:
-  mode = label.split(' ')[0].lower()
-  return f'{mode}_d{density}_s{seed}' if density else f'{mode}_s{seed}'
+def run_name(name: str, density, seed: int) -> str:
+  return f'{name}_d{density}_s{seed}' if density else f'{name}_s{seed}'
 
 
-def run(out: str, label: str, density, overrides: list, seed: int) -> dict:
-  """One training run (or its saved result)."""
-  run_dir = os.path.join(out, run_name(label, density, seed))
+def run(out: str, method: tuple, seed: int) -> dict:
+  """One training run (or its saved result) of a `METHODS` entry."""
+  name, label, density, overrides = method
+  run_dir = os.path.join(out, run_name(name, density, seed))
   result_file = os.path.join(run_dir, 'result.json')
   if os.path.exists(result_file):
     with open(result_file) as f:
@@ -74,7 +78,7 @@ def run(out: str, label: str, density, overrides: list, seed: int) -> dict:
             'bytes_per_step': train[-1]['comm_bytes']}
   with open(result_file, 'w') as f:
     json.dump(result, f)
-  print(f'{run_name(label, density, seed)}: eval {result["eval_loss"]:.4f}',
+  print(f'{run_name(name, density, seed)}: eval {result["eval_loss"]:.4f}',
         flush=True)
   return result
 
@@ -87,7 +91,7 @@ def table(results: list, seeds: list) -> str:
       '(mean +- s.e.) | gap per seed |', '|---|---|---|---|---|---|',
       f'| AdamS | 1 | {_bytes(results, None)} | '
       f'{statistics.fmean(adams.values()):.4f} | - | - |']
-  for label, density, _ in METHODS[1:]:
+  for _, label, density, _ in METHODS[1:]:
     rows = sorted((r for r in results
                    if r['label'] == label and r['density'] == density),
                   key=lambda r: r['seed'])
@@ -145,8 +149,8 @@ def main():
   except ValueError:
     parser.error(f'--seeds={args.seeds!r}: comma-separated integers')
   os.makedirs(args.out, exist_ok=True)
-  results = [run(args.out, label, density, overrides, seed)
-             for label, density, overrides in METHODS for seed in seeds]
+  results = [run(args.out, method, seed) for method in METHODS
+             for seed in seeds]
   section = table(results, seeds)
   write_docs(section, results)
   print(section)
