@@ -120,9 +120,10 @@ TEST_TIERS = {
 SPLIT = ('test_multiprocess', 'test_cli', 'test_outdir')
 SLOW_FIRST = (
     'test_multiprocess', 'test_cli', 'test_outdir', 'test_resilience',
-    'test_train', 'test_offload', 'test_radius', 'test_models',
-    'test_diloco_train', 'test_packaging', 'test_update_count', 'test_config',
-    'test_fcdp', 'test_demo', 'test_lora',
+    'test_train', 'test_topk', 'test_scape', 'test_offload', 'test_radius',
+    'test_models', 'test_diloco_train', 'test_composition', 'test_packaging',
+    'test_update_count', 'test_config', 'test_fcdp', 'test_wire', 'test_alg2',
+    'test_kernels', 'test_demo', 'test_lora',
 )
 
 
