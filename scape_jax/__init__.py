@@ -9,7 +9,17 @@ inner optimizer), `comm/` (the exchange's building blocks), `kernels/`
 (Pallas), `sharding/` (mesh, specs, layouts), `train/` (config, step,
 trainer, checkpoints, metrics), `data/` and `analysis/` (bytes read from
 compiled programs).
+
+`scape_jax.models` (GPT-2 and Llama in Flax NNX; needs the `[train]` extra)
+is `models/` at the top of a checkout, installed by the wheel as
+`scape_jax/models/`: import it as `from scape_jax import models`, which
+works in both.
 """
+
+import importlib
+import importlib.util
+import os
+import sys
 
 from scape_jax.comm.collectives import pmean_gradients
 from scape_jax.optim import DensitySchedule
@@ -38,9 +48,13 @@ from scape_jax.optim import scape_dist
 from scape_jax.optim import scape_local_adam
 from scape_jax.optim import scape_stats
 from scape_jax.optim import with_fp32_replica
+from scape_jax import outer
+from scape_jax.outer import diloco
+from scape_jax.outer import pier
 from scape_jax.sharding.memory import state_shardings
 from scape_jax.sharding.placement import init_sharded
 from scape_jax.sharding.placement import place
+from scape_jax.sharding.placement import place_replicas
 from scape_jax.sharding.specs import state_partition_specs
 
 __all__ = [
@@ -56,9 +70,13 @@ __all__ = [
     'compress_except',
     'demo',
     'demo_stats',
+    'diloco',
     'init_sharded',
     'interleave_chunks',
     'place',
+    'place_replicas',
+    'outer',
+    'pier',
     'pmean_gradients',
     'radius',
     'radius_stats',
@@ -76,3 +94,45 @@ __all__ = [
     'state_shardings',
     'with_fp32_replica',
 ]
+
+
+def __getattr__(name):  # PEP 562: `scape_jax.models`, imported on first use
+  if name != 'models':
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+  here = os.path.dirname(os.path.abspath(__file__))
+  if os.path.isdir(os.path.join(here, 'models')):  # installed (the wheel)
+    return importlib.import_module('scape_jax.models')
+  return _checkout_models(os.path.join(os.path.dirname(here), 'models'))
+
+
+def _checkout_models(directory: str):
+  """The checkout's `models/` package, loaded from `directory` by path.
+
+  It is registered as the top-level `models` (so that the tests' and bench
+  scripts' `import models` is the same module, with the same classes),
+  unless another `models` (a user's own) holds that name: then as
+  `scape_jax.models`.
+  """
+  init = os.path.join(directory, '__init__.py')
+  held = sys.modules.get('models')
+  if held is not None and os.path.abspath(
+      getattr(held, '__file__', None) or '') == init:
+    return held
+  name = 'models' if held is None else f'{__name__}.models'
+  if name in sys.modules:
+    return sys.modules[name]
+  if not os.path.isfile(init):
+    raise ImportError(f'scape_jax.models: no {init} (neither an installed '
+                      'scape-jax nor a checkout with models/ beside '
+                      'scape_jax/)')
+  spec = importlib.util.spec_from_file_location(
+      name, init, submodule_search_locations=[directory])
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module
+  try:
+    spec.loader.exec_module(module)
+  except BaseException:
+    del sys.modules[name]
+    raise
+  globals()['models'] = module
+  return module

@@ -41,6 +41,8 @@ MODULE_TIERS = {
     'test_diloco': UNIT,
     'test_diloco_train': INTEGRATION,
     'test_export': UNIT,
+    'test_eval_downstream': UNIT,
+    'test_examples': SYSTEM,  # docs/examples.md's blocks as subprocesses
     'test_fcdp': INTEGRATION,
     'test_fcdp_bench': UNIT,
     'test_gpu': UNIT,
@@ -58,6 +60,7 @@ MODULE_TIERS = {
     'test_no_copies': UNIT,
     'test_offload': INTEGRATION,
     'test_outdir': SYSTEM,
+    'test_outer_placement': UNIT,
     'test_packaging': SYSTEM,
     'test_radius': UNIT,
     'test_radix': UNIT,
@@ -72,6 +75,7 @@ MODULE_TIERS = {
     'test_traffic': UNIT,
     'test_train': INTEGRATION,
     'test_update_count': UNIT,
+    'test_vocab_size': INTEGRATION,
     'test_wire': UNIT,
 }
 

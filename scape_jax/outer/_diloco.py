@@ -60,6 +60,9 @@ class DiLoCoState(NamedTuple):
 
   # Fields that `offload_memory_kinds` puts in host memory between syncs.
   OFFLOADED_FIELDS = ('old_params', 'momentum')
+  # One state per replica group: placed with a leading axis over the groups
+  # (`scape_jax.init_sharded(..., replica_axis=...)` refuses it without).
+  PER_REPLICA_GROUP = True
 
 
 @dataclasses.dataclass(frozen=True)

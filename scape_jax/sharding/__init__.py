@@ -21,6 +21,7 @@ from scape_jax.sharding.memory import offload_memory_kinds
 from scape_jax.sharding.memory import state_shardings
 from scape_jax.sharding.placement import init_sharded
 from scape_jax.sharding.placement import place
+from scape_jax.sharding.placement import place_replicas
 from scape_jax.sharding.specs import LOGICAL_RULES
 from scape_jax.sharding.specs import param_partition_specs
 from scape_jax.sharding.specs import state_partition_specs
@@ -31,7 +32,8 @@ __all__ = [
     'Layout', 'MESH_AXES', 'NODE', 'REPLICA', 'TENSOR',
     'available_memory_kinds', 'fcdp', 'init_sharded', 'make_mesh',
     'offload_memory_kinds', 'param_partition_specs', 'place',
-    'state_partition_specs', 'state_shardings', 'with_replica_axis',
+    'place_replicas', 'state_partition_specs', 'state_shardings',
+    'with_replica_axis',
 ]
 
 _NEEDS_FLAX = {'fcdp': ('scape_jax.sharding.fcdp', None),
