@@ -13,7 +13,7 @@ from scape_jax.optim import _norms
 # At or below this density the clip's norm sums only gbar's N*k entries at M
 # (`squared_norms`), so XLA:CPU no longer stores a full-shape gbar for it;
 # above it, gathering m_{t-1} at M costs more than that saves (measured at
-# d = 0.1, 0.03 and 0.01: docs/benchmarks.md, "The clip's norm at M").
+# d = 0.1, 0.03 and 0.01: docs/design.md, "What was tried").
 _NORM_AT_M_MAX_DENSITY = 1 / 32
 
 
