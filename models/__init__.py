@@ -9,10 +9,10 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from models.gpt import GPT, GPTConfig
-from models.layers import LOGICAL_AXES, SHARDING_KEY, count_params, logical_axes
-from models.llama import Llama, LlamaConfig
-from models.lora import LoraSpec, rngs
+from .gpt import GPT, GPTConfig
+from .layers import LOGICAL_AXES, SHARDING_KEY, count_params, logical_axes
+from .llama import Llama, LlamaConfig
+from .lora import LoraSpec, rngs
 
 __all__ = [
     'GPT', 'GPTConfig', 'Llama', 'LlamaConfig', 'LOGICAL_AXES', 'LoraSpec',

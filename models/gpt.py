@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import layers
-from models import lora as lora_lib
+from . import layers
+from . import lora as lora_lib
 
 # The linear layers of a block: the LoRA targets (or their suffixes).
 LINEARS = ('attn.c_attn', 'attn.c_proj', 'mlp.c_fc', 'mlp.c_proj')

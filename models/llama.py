@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import layers
-from models import lora as lora_lib
+from . import layers
+from . import lora as lora_lib
 
 # The linear layers of a decoder layer: the LoRA targets (or their suffixes).
 LINEARS = ('self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj',

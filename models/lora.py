@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes
 
-from models import layers
+from . import layers
 
 LORA_STREAM = 'lora'  # the nnx.Rngs stream the adapters are drawn from
 

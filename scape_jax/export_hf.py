@@ -30,7 +30,7 @@ from typing import Optional
 
 import jax
 
-import models
+from scape_jax import models
 from scape_jax import hf
 from scape_jax.train import config as config_lib
 from scape_jax.train import methods

@@ -231,22 +231,26 @@ def _texts(root, text):
 
 def test_two_corpora_of_one_name_do_not_share_the_default_dir(
     tmp_path, monkeypatch):
-  """/a/books and /b/books both default to data/books-byte: the second run
-  must not replace the first run's corpus under it."""
+  """/a/books and /b/books both default to <cache>/data/books-byte: the
+  second run must not replace the first run's corpus under it. The default
+  is under the cache dir ($SCAPE_JAX_CACHE), not the current directory."""
   from scape_jax.data import prepare  # pylint: disable=g-import-not-at-top
   from scape_jax.train import trainer as trainer_mod  # pylint: disable=g-import-not-at-top
   monkeypatch.chdir(tmp_path)
+  monkeypatch.setenv('SCAPE_JAX_CACHE', str(tmp_path / 'cache'))
   (tmp_path / 'a').mkdir()
   (tmp_path / 'b').mkdir()
   first = _texts(tmp_path / 'a' / 'books', 'to be or not to be ')
   second = _texts(tmp_path / 'b' / 'books', 'all the world is a stage ')
   cfg = config_lib.load(None, [f'--config.data.corpus={first}'])
   data_dir = trainer_mod._prepare_data(cfg)
-  assert data_dir == os.path.join('data', 'books-byte')
+  assert data_dir == str(tmp_path / 'cache' / 'data' / 'books-byte')
+  assert not (tmp_path / 'data').exists()
   meta = prepare.load_meta(data_dir)
   cfg = config_lib.load(None, [f'--config.data.corpus={second}'])
   with pytest.raises(prepare.CorpusError, match=(
-      r"'data/books-byte', the default data dir for data.corpus=.*b/books', "
+      r"'.*/cache/data/books-byte', the default data dir for "
+      r"data.corpus=.*b/books', "
       rf'holds the corpus prepared from {first}: set data.data_dir')):
     trainer_mod._prepare_data(cfg)
   assert prepare.load_meta(data_dir) == meta  # untouched

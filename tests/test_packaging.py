@@ -1,10 +1,12 @@
 """The package as a user installs it: a wheel, installed outside the repo.
 
-The wheel is built from a copy of the sources (so the checkout gains no
-build/ or egg-info), installed with `pip install --target`, and used from
-another directory: `import scape_jax` and one SCAPE step on 2 CPU devices.
-The dependencies (jax, optax, numpy) come from this environment; the
-[train] extra's (flax, orbax, grain, tokenizers) are blocked for that step.
+The wheel is built once from a copy of the sources (so the checkout gains
+no build/ or egg-info), installed with `pip install --target`, and used
+from another directory: `import scape_jax` and one SCAPE step on 2 CPU
+devices, with the [train] extra's packages (flax, orbax, grain, tokenizers)
+blocked; the models imported from beside a user's own `models/` package;
+the config presets by name (`scape-train --config NAME`). The dependencies
+come from this environment.
 """
 
 import os
@@ -17,7 +19,7 @@ import zipfile
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SOURCES = ('pyproject.toml', 'README.md', 'scape_jax', 'models')
+SOURCES = ('pyproject.toml', 'README.md', 'scape_jax', 'models', 'configs')
 
 ONE_STEP = """
 import sys
@@ -68,7 +70,11 @@ def _build_wheel(src, dist):
               'cannot build wheels here:\n' + '\n'.join(tries))
 
 
-def test_wheel_installs_and_runs_outside_the_repo(tmp_path):
+@pytest.fixture(scope='module')
+def installed(tmp_path_factory):
+  """(wheel, site): the wheel built once from a copy of the sources, and the
+  directory it is installed into (`pip install --target`)."""
+  tmp_path = tmp_path_factory.mktemp('wheel')
   src = tmp_path / 'src'
   src.mkdir()
   for name in SOURCES:
@@ -78,25 +84,113 @@ def test_wheel_installs_and_runs_outside_the_repo(tmp_path):
     else:
       shutil.copy(ROOT / name, src / name)
   wheel = _build_wheel(src, tmp_path / 'dist')
-  names = zipfile.ZipFile(wheel).namelist()
-  assert 'scape_jax/optim/_scape.py' in names and 'models/llama.py' in names
-  assert not [n for n in names if n.startswith(('tests/', 'bench/'))]
-  entry = [n for n in names if n.endswith('entry_points.txt')]
-  assert entry and 'scape-train = scape_jax.train.cli:main' in zipfile.ZipFile(
-      wheel).read(entry[0]).decode()
-
   site = tmp_path / 'site'
   proc = _pip('install', '--no-deps', '--no-index', '--target', str(site),
               str(wheel))
   assert proc.returncode == 0, proc.stdout + proc.stderr
-  elsewhere = tmp_path / 'elsewhere'
-  elsewhere.mkdir()
+  return wheel, site
+
+
+def _elsewhere(tmp_path, site, code=None, args=(), devices=None):
+  """Runs `python -c code` (or site/bin/ARGS) in a directory outside the
+  checkout, with only the installed wheel (and this environment's
+  dependencies) importable; the CompletedProcess."""
+  where = tmp_path / 'elsewhere'
+  where.mkdir(exist_ok=True)
   env = dict(os.environ, PYTHONPATH=str(site), JAX_PLATFORMS='cpu',
-             XLA_FLAGS='--xla_force_host_platform_device_count=2')
-  proc = subprocess.run([sys.executable, '-c', ONE_STEP], cwd=elsewhere,
-                        env=env, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0 and 'one step ok' in proc.stdout, proc.stderr
-  proc = subprocess.run([str(site / 'bin' / 'scape-train'), '--help'],
-                        cwd=elsewhere, env=env, capture_output=True,
+             SCAPE_JAX_CACHE=str(tmp_path / 'cache'))
+  env.pop('XLA_FLAGS', None)
+  if devices:
+    env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
+  cmd = ([sys.executable, '-c', code] if code is not None else
+         [str(site / 'bin' / args[0]), *args[1:]])
+  return subprocess.run(cmd, cwd=where, env=env, capture_output=True,
                         text=True, timeout=300)
+
+
+def test_wheel_installs_and_runs_outside_the_repo(installed, tmp_path):
+  wheel, site = installed
+  names = zipfile.ZipFile(wheel).namelist()
+  assert 'scape_jax/optim/_scape.py' in names
+  assert 'scape_jax/models/llama.py' in names
+  assert not [n for n in names if n.startswith(('tests/', 'bench/'))]
+  entry = [n for n in names if n.endswith('entry_points.txt')]
+  assert entry and 'scape-train = scape_jax.train.cli:main' in zipfile.ZipFile(
+      wheel).read(entry[0]).decode()
+  proc = _elsewhere(tmp_path, site, ONE_STEP, devices=2)
+  assert proc.returncode == 0 and 'one step ok' in proc.stdout, proc.stderr
+  proc = _elsewhere(tmp_path, site, args=('scape-train', '--help'))
   assert proc.returncode == 0 and '--dry-run' in proc.stdout, proc.stderr
+
+
+def test_the_wheel_has_no_top_level_models_and_every_package(installed):
+  """`models/` and `configs/` are installed inside the package; every
+  package of the checkout's scape_jax/ is in the wheel (pyproject lists
+  them by hand)."""
+  wheel, _ = installed
+  names = zipfile.ZipFile(wheel).namelist()
+  tops = {n.split('/')[0] for n in names if '.dist-info/' not in n}
+  assert tops == {'scape_jax'}, tops
+  packages = {str(p.parent.relative_to(ROOT / 'scape_jax'))
+              for p in (ROOT / 'scape_jax').rglob('__init__.py')}
+  packages |= {'models', 'configs'}
+  missing = [p for p in sorted(packages)
+             if f'scape_jax/{p}/__init__.py'.replace('/./', '/') not in names
+             and not any(n.startswith(f'scape_jax/{p}/') for n in names)]
+  assert not missing, f'not in the wheel (add to pyproject.toml): {missing}'
+  for preset in (ROOT / 'configs').glob('*.py'):
+    assert f'scape_jax/configs/{preset.name}' in names
+
+
+USERS_MODELS = """
+import scape_jax, models
+assert 'site' in scape_jax.__file__, scape_jax.__file__
+assert models.MINE  # the user's own models package
+from scape_jax import export_hf, models as ours
+from scape_jax.train import config
+assert ours.get_config('llama-tiny').vocab_size == 256
+assert ours is not models and 'site' in ours.__file__
+print('both ok')
+"""
+
+
+def test_the_installed_wheel_imports_beside_a_users_models(installed,
+                                                           tmp_path):
+  """From a directory holding a `models/` package of the user's own, the
+  installed package imports its models (it used to import the user's:
+  "cannot import name 'layers' from 'models'")."""
+  _, site = installed
+  (tmp_path / 'elsewhere' / 'models').mkdir(parents=True)
+  (tmp_path / 'elsewhere' / 'models' / '__init__.py').write_text('MINE = 1\n')
+  proc = _elsewhere(tmp_path, site, USERS_MODELS)
+  assert proc.returncode == 0 and 'both ok' in proc.stdout, proc.stderr
+  proc = _elsewhere(tmp_path, site, 'import runpy, sys; sys.argv = '
+                    "['export_hf', '--help']; runpy.run_module("
+                    "'scape_jax.export_hf', run_name='__main__')")
+  assert proc.returncode == 0 and '--run' in proc.stdout, proc.stderr
+
+
+def test_a_preset_by_name_outside_the_checkout(installed, tmp_path):
+  """`--config NAME` finds the presets the wheel ships, from anywhere;
+  a name that is none of them lists them. (llama500m's own dry run takes
+  minutes on a CPU: `scape-train --config llama500m --dry-run`, run by
+  hand; here its file is resolved and a small preset dry-runs.)"""
+  _, site = installed
+  proc = _elsewhere(tmp_path, site, (
+      'from scape_jax.train import config, presets\n'
+      "path = presets.resolve('llama500m')\n"
+      "assert path.endswith('scape_jax/configs/llama500m.py'), path\n"
+      "cfg = config.load('llama500m')\n"
+      "assert cfg.model.preset == 'llama500m'\n"
+      "print('resolved', config.load('llama500m.py').model.preset)"))
+  assert proc.returncode == 0 and 'resolved llama500m' in proc.stdout, (
+      proc.stderr)
+  proc = _elsewhere(tmp_path, site, args=(
+      'scape-train', '--config', 'shakespeare_llama_tiny', '--dry-run'))
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert 'per-device memory' in proc.stdout, proc.stdout
+  proc = _elsewhere(tmp_path, site, args=('scape-train', '--config',
+                                          'llama5OOm', '--dry-run'))
+  assert proc.returncode == 2, proc.stdout + proc.stderr
+  assert ("--config 'llama5OOm' is neither a config file nor a preset; the "
+          'presets are gpt345m, ') in proc.stderr, proc.stderr

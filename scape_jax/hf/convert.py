@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-import models
+from scape_jax import models
 
 CONFIG_FILE = 'config.json'
 WEIGHTS_FILE = 'model.safetensors'

@@ -44,7 +44,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from models import layers as model_layers
+from scape_jax import models
 from scape_jax.sharding.mesh import FSDP, FSDP_AXES, NODE
 
 CACHED = 'fcdp_cached'  # checkpoint name of the gathered values kept on host
@@ -166,7 +166,7 @@ class UnitGather:
     return policy
 
   def _dim(self, variable: nnx.Variable) -> Optional[int]:
-    names = variable.get_metadata().get(model_layers.SHARDING_KEY) or ()
+    names = variable.get_metadata().get(models.layers.SHARDING_KEY) or ()
     mapping = dict(self.rules)
     for dim, name in enumerate(names):
       if name in mapping:

@@ -2,6 +2,7 @@
 
   python train.py --config configs/llama500m.py [--config.KEY=VALUE ...]
   python train.py --config configs/llama500m.py --dry-run
+  scape-train --config llama500m --dry-run     # a preset, from any directory
 
 `scape-train` (installed with the package) is the same command.
 
@@ -35,7 +36,9 @@ def parse_args(argv):
   parser = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   parser.add_argument('--config', default=None,
-                      help='a config file (configs/*.py); default: built-ins')
+                      help='a preset (llama500m, shakespeare_llama_tiny, ...: '
+                      'shipped with the package) or a config file; '
+                      'default: built-ins')
   parser.add_argument('--dry-run', action='store_true',
                       help='compile the train step from abstract shapes on a '
                       'mesh of the configured size and report memory')

@@ -33,9 +33,10 @@ import types
 import typing
 from typing import Any, Mapping, Sequence
 
-from models.layers import ATTN_IMPLS
+from scape_jax import models
 from scape_jax.optim import _common
 from scape_jax.train import methods
+from scape_jax.train import presets
 from scape_jax.train.methods import DECAYS
 
 _PREFIX = '--config.'
@@ -64,6 +65,10 @@ class ModelConfig:
   param_dtype: str = 'float32'  # Parameter (master copy) dtype.
   remat: bool = False  # Rematerialise each block in the backward pass.
   attn_impl: str = 'xla'  # One of ATTN_IMPLS; cudnn: flash attention on GPU.
+  # Token ids the embedding and output layer have; 0: the preset's. Set it
+  # for a tokenizer larger than the preset's vocabulary (e.g. 640 for a
+  # 600-token tokenizer: a multiple of 128 runs faster on accelerators).
+  vocab_size: int = 0
   # A transformers GPT-2/Llama directory (config.json + model.safetensors):
   # a new run starts from its weights and takes its shape (preset ignored).
   init_from: str = ''
@@ -100,7 +105,10 @@ class DataConfig:
   seq_len: int = 128  # Tokens per sequence.
   batch_size: int = 32  # Global batch (sequences per step).
   micro_batches: int = 1  # Sequential micro-batches per worker (accumulation).
-  data_dir: str = ''  # '' = data/<corpus-name>-<tokenizer-name>.
+  # Where the corpus is prepared; '' = <cache>/data/<corpus-name>-<tokenizer-
+  # name>, <cache> = $SCAPE_JAX_CACHE or ~/.cache/scape_jax (not the current
+  # directory). Several hosts: a directory they share, or one per host.
+  data_dir: str = ''
 
 
 @dataclasses.dataclass(slots=True)
@@ -345,8 +353,8 @@ def load(path: str | None, overrides: Sequence[str] = ()) -> Config:
   """Builds a validated config from defaults, a config file and overrides.
 
   Args:
-    path: a Python config file (see the module docstring), or None for the
-      defaults alone.
+    path: a Python config file (see the module docstring) or the name of a
+      preset (`presets.resolve`), or None for the defaults alone.
     overrides: argv items '--config.KEY=VALUE' (or '--config.KEY', 'VALUE'),
       applied after the file, in order; KEY is dotted, e.g. 'optimizer.lr'.
 
@@ -359,6 +367,10 @@ def load(path: str | None, overrides: Sequence[str] = ()) -> Config:
   """
   cfg = Config()
   if path is not None:
+    try:
+      path = presets.resolve(path)
+    except ValueError as e:
+      raise ConfigError(str(e)) from e
     _apply(cfg, '', _read_file(path))
   for key, value in _split_overrides(overrides):
     _set_dotted(cfg, key, value)
@@ -451,8 +463,8 @@ def _problems(cfg: Config) -> list[str]:
        f'{cfg.keep_checkpoints}'),
       (cfg.max_bad_steps >= 1,
        f'max_bad_steps must be >= 1, got {cfg.max_bad_steps}'),
-      (cfg.model.attn_impl in ATTN_IMPLS,
-       f'model.attn_impl must be one of {ATTN_IMPLS}, got '
+      (cfg.model.attn_impl in models.layers.ATTN_IMPLS,
+       f'model.attn_impl must be one of {models.layers.ATTN_IMPLS}, got '
        f'{cfg.model.attn_impl!r}'),
       (cfg.model.dtype in DTYPES,
        f'model.dtype must be one of {DTYPES}, got {cfg.model.dtype!r}'),
@@ -462,6 +474,12 @@ def _problems(cfg: Config) -> list[str]:
        f"{cfg.model.dtype!r}; use attn_impl='xla' or 'jax' for float32"),
       (cfg.model.param_dtype in DTYPES, f'model.param_dtype must be one of '
        f'{DTYPES}, got {cfg.model.param_dtype!r}'),
+      (cfg.model.vocab_size >= 0, f'model.vocab_size must be >= 1, or 0 for '
+       f"the preset's, got {cfg.model.vocab_size}"),
+      (not (cfg.model.vocab_size and cfg.model.init_from),
+       f'model.vocab_size={cfg.model.vocab_size} has no effect with '
+       f'model.init_from={cfg.model.init_from!r}, whose config.json sets the '
+       'vocabulary; drop model.vocab_size'),
       (bool(d.corpus), 'data.corpus must not be empty'),
       (bool(d.tokenizer), 'data.tokenizer must not be empty'),
       (d.seq_len > 0, f'data.seq_len must be > 0, got {d.seq_len}'),

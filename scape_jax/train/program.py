@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-import models
+from scape_jax import models
 from scape_jax import analysis
 from scape_jax import hf
 from scape_jax import sharding
@@ -143,6 +143,8 @@ def model_config(cfg: Config, init_from_config=None) -> models.Config:
   """
   m = cfg.model
   overrides = dict(remat=m.remat, attn_impl=m.attn_impl, lora=_lora(cfg))
+  if m.vocab_size and not m.init_from:  # (with init_from: a config error)
+    overrides['vocab_size'] = m.vocab_size
   if m.init_from:
     try:
       return hf.from_hf_config(init_from_config or hf.read_config(
@@ -156,6 +158,17 @@ def model_config(cfg: Config, init_from_config=None) -> models.Config:
     return models.get_config(m.preset, **overrides)
   except ValueError as e:
     raise ConfigError(str(e)) from e
+
+
+def vocab_problem(cfg: Config, tokens: int, model_vocab: int) -> str:
+  """The message for a tokenizer of `tokens` ids that the model's
+  vocabulary of `model_vocab` cannot hold, naming the key that fixes it."""
+  where = ("model.init_from's config.json sets the vocabulary: prepare the "
+           "corpus with that model's tokenizer" if cfg.model.init_from else
+           f'set --config.model.vocab_size={models.pad_vocab(tokens)} (or '
+           f'any value >= {tokens}; a multiple of 128 runs faster)')
+  return (f'the tokenizer has {tokens} tokens but model '
+          f'{model_name(cfg)!r} only {model_vocab}: {where}')
 
 
 def _model(cfg: Config, init_from_config=None):

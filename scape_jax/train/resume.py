@@ -61,7 +61,7 @@ STRUCTURAL_KEYS = ('optimizer.name', 'optimizer.diloco.inner',
                    'optimizer.scape.interleaved_leaves',
                    'optimizer.scape.local_adam', 'optimizer.radius.density',
                    'optimizer.radius.index_radius', 'model.preset',
-                   'model.param_dtype', 'model.lora.rank',
+                   'model.vocab_size', 'model.param_dtype', 'model.lora.rank',
                    'model.lora.targets', 'mesh.', 'seed', 'data.seq_len',
                    'data.batch_size')
 # Paths compared as the files they name (a trailing slash, a relative path

@@ -64,10 +64,8 @@ class _DataFeed:
     self.tokenizer = {'spec': meta.get('tokenizer'),
                       'sha256': meta.get('tokenizer_sha256')}
     if meta['vocab_size'] > self._program.model_cfg.vocab_size:
-      raise config_lib.ConfigError(
-          f'the tokenizer has {meta["vocab_size"]} tokens but model '
-          f'{program_lib.model_name(cfg)!r} only '
-          f'{self._program.model_cfg.vocab_size}.')
+      raise config_lib.ConfigError(program_lib.vocab_problem(
+          cfg, meta['vocab_size'], self._program.model_cfg.vocab_size))
     d, rank, ranks = cfg.data, jax.process_index(), jax.process_count()
     try:
       return (pipeline.train_iterator(
@@ -122,7 +120,8 @@ def _prepare_data(cfg: config_lib.Config) -> str:
   d = cfg.data
   tok_name = os.path.splitext(os.path.basename(d.tokenizer))[0]
   name = os.path.basename(os.path.normpath(d.corpus))
-  data_dir = d.data_dir or os.path.join('data', f'{name}-{tok_name}')
+  data_dir = d.data_dir or os.path.join(prepare_lib.cache_dir(), 'data',
+                                        f'{name}-{tok_name}')
   prepared = os.path.exists(os.path.join(d.corpus, 'meta.json'))
   if prepared:
     data_dir = d.corpus  # an already prepared directory
