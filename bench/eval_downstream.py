@@ -4,9 +4,11 @@
       [--tasks shakespeare_next_line,shakespeare_last_word] [--write-docs]
 
 (also `make eval-downstream RUN=... [TASKS=...]`). It exports the run's
-checkpoint to RUN/hf (`python -m scape_jax.export_hf`), then runs
+checkpoint to its own directory, RUN/lm_eval/hf (`python -m
+scape_jax.export_hf`; an export of yours, such as RUN/hf, is never touched),
+or with `--model DIR` evaluates an export you made, then runs
 
-  lm-eval run --model hf --model_args pretrained=RUN/hf,dtype=float32 \
+  lm-eval run --model hf --model_args pretrained=RUN/lm_eval/hf,dtype=float32 \
       --tasks TASKS --include_path RUN/lm_eval/tasks --device cpu ...
 
 and prints the scores; `--write-docs` records them in docs/results.md.
@@ -117,6 +119,23 @@ def last_word_docs(plays, n: int, rng: random.Random) -> list[dict]:
   return docs
 
 
+# Every metric with its aggregation and direction, as lm-eval's task schema
+# has them (without them lm-eval warns twice per metric, and uses these same
+# defaults): accuracies are means, higher is better; perplexity aggregates as
+# a perplexity, lower is better.
+METRICS = {
+    'acc': ('mean', 'true'),
+    'acc_norm': ('mean', 'true'),
+    'perplexity': ('perplexity', 'false'),
+}
+
+
+def _metric_list(*names: str) -> str:
+  return 'metric_list:\n' + ''.join(
+      f'  - metric: {n}\n    aggregation: {METRICS[n][0]}\n'
+      f'    higher_is_better: {METRICS[n][1]}\n' for n in names)
+
+
 def _task_yaml(name: str, data: str) -> str:
   common = (f'task: {name}\ndataset_path: json\ndataset_kwargs:\n'
             f'  data_files:\n    test: {json.dumps(data)}\n'
@@ -125,9 +144,9 @@ def _task_yaml(name: str, data: str) -> str:
   if name == 'shakespeare_next_line':
     return common + ('output_type: multiple_choice\n'
                      'doc_to_choice: "{{choices}}"\ndoc_to_target: label\n'
-                     'metric_list:\n  - metric: acc\n  - metric: acc_norm\n')
+                     + _metric_list('acc', 'acc_norm'))
   return common + ('output_type: loglikelihood\ndoc_to_target: "{{target}}"\n'
-                   'metric_list:\n  - metric: acc\n  - metric: perplexity\n')
+                   + _metric_list('acc', 'perplexity'))
 
 
 def write_tasks(directory: str, seed: int = 0) -> None:
@@ -233,19 +252,33 @@ def _limit(text: str) -> int:
   return value
 
 
+def _export(run: str):
+  """Exports `run`'s checkpoint to RUN/lm_eval/hf, this script's own
+  directory (replaced on every call; any other export is left alone);
+  the directory, or None if the export failed."""
+  from scape_jax import export_hf  # pylint: disable=g-import-not-at-top
+  model_dir = os.path.join(run, 'lm_eval', 'hf')
+  if export_hf.main(['--run', run, '--out', model_dir, '--force']):
+    return None
+  return model_dir
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   parser.add_argument('--run', required=True, help='the run directory')
+  parser.add_argument('--model', default=None, metavar='DIR',
+                      help='evaluate this Hugging Face export (e.g. one made '
+                      'with export_hf --tokenizer) instead of exporting the '
+                      "run's checkpoint to RUN/lm_eval/hf")
   parser.add_argument('--tasks', default=','.join(LOCAL_TASKS))
   parser.add_argument('--limit', type=_limit, default=None,
                       help='examples per task, >= 1 (default: all)')
   parser.add_argument('--write-docs', action='store_true',
                       help='record the scores in docs/results.md')
   args = parser.parse_args(argv)
-  from scape_jax import export_hf  # pylint: disable=g-import-not-at-top
-  model_dir = os.path.join(args.run, 'hf')
-  if export_hf.main(['--run', args.run, '--out', model_dir, '--force']):
+  model_dir = args.model or _export(args.run)
+  if model_dir is None:
     return 2
   tasks = args.tasks.split(',')
   task_dir = os.path.join(args.run, 'lm_eval', 'tasks')
@@ -257,6 +290,7 @@ def main(argv=None) -> int:
                    '|---|---|---|---|'] + rows))
   if args.write_docs:
     command = ' '.join(['python bench/eval_downstream.py', '--run', args.run] +
+                       ([f'--model {args.model}'] if args.model else []) +
                        ([f'--tasks {args.tasks}']
                         if args.tasks != ','.join(LOCAL_TASKS) else []) +
                        ([f'--limit {args.limit}'] if args.limit is not None else []) +
