@@ -36,7 +36,8 @@ FAST_COMPILE = ('--xla_backend_optimization_level=0 '
 # Variables that would change the device count or start jax.distributed on
 # their own (train.py also joins a cluster found in SLURM/Open MPI variables).
 _CLUSTER_VARS = ('SLURM_NTASKS', 'OMPI_COMM_WORLD_SIZE')
-_NOT_COMPARED = ('tokens_per_s', 'wall_time')  # wall-clock
+_NOT_COMPARED = ('tokens_per_s', 'wall_time', 'step_ms', 'elapsed_s', 'eta_s',
+                 'mfu', 'peak_memory_bytes')  # wall-clock
 
 
 def _free_port() -> int:
@@ -142,8 +143,9 @@ def _metrics(out_dir) -> tuple[dict, dict]:
   assert path.exists(), f'{path} was not written'
   for line in path.read_text().splitlines():
     rec = json.loads(line)
-    split = {'train': train, 'eval': evals}[rec.pop('split')]
-    split[rec.pop('step')] = rec
+    split = {'train': train, 'eval': evals}.get(rec.pop('split'))
+    if split is not None:  # not the 'compile' record (a time)
+      split[rec.pop('step')] = rec
   return train, evals
 
 

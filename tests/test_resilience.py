@@ -541,13 +541,14 @@ def test_rerunning_a_finished_run_logs_nothing_twice(corpus, tmp_path):
   assert again['start_step'] == 3 and again['eval_loss'] == first['eval_loss']
   records = read_jsonl(str(tmp_path / 'metrics.jsonl'))
   assert [(r['step'], r['split']) for r in records] == [
-      (1, 'train'), (2, 'train'), (3, 'train'), (3, 'eval')]
+      (0, 'compile'), (1, 'train'), (2, 'train'), (3, 'train'), (3, 'eval')]
   # A final eval lost after the final save is written on the rerun.
   with open(tmp_path / 'metrics.jsonl', 'w') as f:
-    f.writelines(json.dumps(r) + '\n' for r in records[:3])
+    f.writelines(json.dumps(r) + '\n' for r in records[:4])
   trainer.train(cfg)
   records = read_jsonl(str(tmp_path / 'metrics.jsonl'))
-  assert [r['split'] for r in records] == ['train'] * 3 + ['eval']
+  assert [r['split'] for r in records] == ['compile'] + ['train'] * 3 + [
+      'eval']
   # Fewer steps than the run has trained: refused, not an eval of the
   # 3-step model logged as step 2.
   with pytest.raises(config_lib.ConfigError, match=(

@@ -84,9 +84,11 @@ class StepPrograms:
             say: Optional[Callable[[str], None]] = None) -> float:
     """Compiles the program of the update after `start` now and queues the
     others that the updates after start..end-1 use; returns the seconds to
-    the first program. `say` (None: silent) gets one line before and one
-    after."""
+    the first program (0 when there is none). `say` (None: silent) gets one
+    line before and one after."""
     firsts = sorted(self.first_counts(start, end).values())
+    if not firsts:  # a finished run, rerun: nothing to compile
+      return 0.0
     t = time.perf_counter()
     if say:
       rest = (f', then {len(firsts) - 1} more in the background while it '
@@ -102,10 +104,15 @@ class StepPrograms:
       say(f'compiled the first program in {seconds:.1f} s')
     return seconds
 
-  def wait_all(self) -> None:
-    """Waits for every queued compile (re-raising its error)."""
-    for future in list(self._futures.values()):
-      future.result()
+  def runs(self, start: int, end: int) -> list:
+    """[(static arguments, updates it ran, collectives)] of each program
+    the updates after start..end-1 ran, in the order the run reached them
+    (each waits for its compile)."""
+    steps = {}
+    for count in range(start, end):
+      steps[self.key(count)] = steps.get(self.key(count), 0) + 1
+    return [(key, n, self.collectives(count)) for (key, n), count in zip(
+        steps.items(), self.first_counts(start, end).values())]
 
   def collectives(self, count: int):
     self(count)

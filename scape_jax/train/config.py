@@ -148,6 +148,9 @@ class Config:
   # (params and state unchanged); this many in a row stop the run.
   max_bad_steps: int = 10
   out_dir: str = 'runs/default'  # Checkpoints, metrics and plots.
+  # A device's peak FLOP/s in TFLOP/s, for the MFU the run reports; 0: from
+  # the device kind (train/flops.py), none where it is not known (CPU).
+  peak_tflops: float = 0.0
 
 
 # ----------------------------------------------------------------------------
@@ -455,6 +458,9 @@ def _problems(cfg: Config) -> list[str]:
       # (the model's init key is 32 bits: 2**32 would repeat seed 0's)
       (0 <= cfg.seed < 2**32, f'seed must be in [0, 2**32), got {cfg.seed}'),
       (cfg.log_every > 0, f'log_every must be > 0, got {cfg.log_every}'),
+      (cfg.peak_tflops >= 0,
+       f'peak_tflops must be >= 0 (0: from the device kind), got '
+       f'{cfg.peak_tflops}'),
       (cfg.eval_every >= 0, f'eval_every must be >= 0, got {cfg.eval_every}'),
       (cfg.eval_batches >= 1,
        f'eval_batches must be >= 1, got {cfg.eval_batches}'),

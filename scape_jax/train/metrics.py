@@ -78,17 +78,22 @@ class MetricsLogger:
     reserved = {'step', 'split'} & set(metrics)
     if reserved:
       raise ValueError(f'metric names {sorted(reserved)} are reserved')
-    values = {key: float(value) for key, value in metrics.items()}
+    values = {key: None if value is None else float(value)
+              for key, value in metrics.items()}  # None: not known
     record = {'step': int(step), 'split': prefix}
-    record.update({k: _encode_non_finite(v) for k, v in values.items()})
+    record.update({k: v if v is None else _encode_non_finite(v)
+                   for k, v in values.items()})
     try:
       self._file.write(json.dumps(record, allow_nan=False) + '\n')
       self._file.flush()
     except OSError as e:
       raise OutputError(f'writing {self.path} failed: {strerror(e)}') from None
     if self._tb is not None:  # the JSONL line keeps NaN and inf
-      self._tb.scalars(int(step), {f'{prefix}/{k}': v for k, v in
-                                   values.items() if math.isfinite(v)})
+      # wall_time: seconds since 1970, which TensorBoard's float32 scalars
+      # round to the same value for minutes; elapsed_s is plotted instead.
+      self._tb.scalars(int(step), {
+          f'{prefix}/{k}': v for k, v in values.items()
+          if v is not None and math.isfinite(v) and k != 'wall_time'})
 
   def close(self) -> None:
     """Closes the files; raises OutputError if their last bytes fail."""
@@ -269,6 +274,18 @@ class Progress:
           {k: (f'{float(v):.4g}' if _is_number(v) else v)
            for k, v in postfix.items()}, refresh=False)
     self._bar.update(n)
+
+  def set_loss(self, loss: float) -> None:
+    """Shows `loss` beside the bar."""
+    if self._bar is not None:
+      self._bar.set_postfix(loss=f'{loss:.4g}')
+
+  def write(self, line: str) -> None:
+    """Prints `line` on its own terminal line, above the bar."""
+    if self._bar is None:
+      print(line, flush=True)
+    else:
+      tqdm.tqdm.write(line, file=sys.stdout)
 
   def close(self) -> None:
     if self._bar is not None:

@@ -23,6 +23,7 @@ import numpy as np
 from scape_jax import analysis
 from scape_jax import hf
 from scape_jax.train import agreement
+from scape_jax.train import banner
 from scape_jax.train import config as config_lib
 from scape_jax.train import guard
 from scape_jax.train import outdir
@@ -31,6 +32,7 @@ from scape_jax.train import resume
 from scape_jax.train import step as step_lib
 from scape_jax.train.checkpoint import Checkpointer
 from scape_jax.train.metrics import MetricsLogger, Progress, plot_loss
+from scape_jax.train import flops as flops_lib
 from scape_jax.train import program as program_lib
 from scape_jax.train.compiled import StepPrograms
 from scape_jax.train.program import Program, build_program
@@ -168,7 +170,14 @@ def _fetch(metrics: dict) -> dict:
 
 class _Reporter:
   """Holds each step's device metrics until the next log line, then writes
-  them (JSONL, TensorBoard, stdout, progress bar)."""
+  them (JSONL, TensorBoard, stdout, progress bar).
+
+  Per step: loss, lr, grad_norm, comm_bytes, tokens_seen, the method's
+  statistics. Over the log interval, on its last step only: step_ms and
+  tokens_per_s (its mean), mfu (None where the device's peak is unknown),
+  elapsed_s (since the run started), eta_s and peak_memory_bytes (None
+  where the devices do not say).
+  """
 
   def __init__(self, cfg: config_lib.Config, program: Program, start: int,
                updates: int):
@@ -179,11 +188,18 @@ class _Reporter:
                                 start=start)
     self._bar = Progress(cfg.steps, initial=start) if self.leader else None
     self._tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    devices = program.mesh.devices.flat
+    self._peak = flops_lib.peak_flops(devices[0].device_kind,
+                                      cfg.peak_tflops * 1e12)
+    self._flops_per_token = flops_lib.train_flops_per_token(
+        program_lib.param_count(program), program.model_cfg.n_layers,
+        program.model_cfg.d_model, cfg.data.seq_len)
     self._pending = []
     self._in_a_row = 0  # skipped steps in a row up to the last fetched
     self.history = []
     self.skipped_steps = 0  # non-finite steps whose update was skipped
     self.last_step = start  # the last step recorded
+    self._started = time.perf_counter()
     self.restart_clock()
 
   def restart_clock(self) -> None:
@@ -196,51 +212,96 @@ class _Reporter:
   def record(self, step: int, metrics: dict) -> None:
     self._pending.append((step, metrics))
     self.last_step = step
+    if self._bar:
+      self._bar.update(1)
 
   def flush(self) -> None:
     """Fetches the pending metrics and writes one log line."""
     if not self._pending:
       return
     fetched = [(s, _fetch(x)) for s, x in self._pending]
-    elapsed = time.perf_counter() - self._t0
+    elapsed = max(time.perf_counter() - self._t0, 1e-9)
     wall_time = time.time()  # when the last pending step had finished
-    tps = self._tokens_per_step * len(fetched) / max(elapsed, 1e-9)
     self._pending = []
     for s, x in fetched:  # the learning rate of the update the step made
       x['lr'] = float(self._program.method.learning_rate(self._updates))
+      x['tokens_seen'] = s * self._tokens_per_step
       self._updates += x['skipped'] == 0
       self._in_a_row = self._in_a_row + 1 if x['skipped'] else 0
       if x['skipped']:  # in step order with the step lines
         self._say_skipped(s, x)
-      self.logger.log(s, dict(x, tokens_per_s=tps, wall_time=wall_time))
+      if s == fetched[-1][0]:
+        x.update(self._interval(s, elapsed, len(fetched)))
+      self.logger.log(s, dict(x, wall_time=wall_time))
       self.history.append(x['loss'])
     s, x = fetched[-1]
     if self.leader and not x['skipped']:
-      print(f'step {s:6d} | loss {x["loss"]:.4f} | lr {x["lr"]:.2e} | '
-            f'grad {x["grad_norm"]:.3f} | {tps:,.0f} tok/s | '
-            f'{x["comm_bytes"] / 2**20:.3f} MiB/step')
+      self._bar.write(_step_line(s, x))
     if self.leader:
-      self._bar.update(len(fetched), loss=x['loss'])
+      self._bar.set_loss(x['loss'])
     self.restart_clock()
+
+  def _interval(self, step: int, seconds: float, steps: int) -> dict:
+    """The log interval's figures, on its last step."""
+    tps = self._tokens_per_step * steps / seconds
+    step_s = seconds / steps
+    return {'step_ms': 1e3 * step_s, 'tokens_per_s': tps,
+            'mfu': flops_lib.mfu(tps, self._flops_per_token, self._peak,
+                                 self._program.mesh.devices.size),
+            'elapsed_s': time.perf_counter() - self._started,
+            'eta_s': (self._cfg.steps - step) * step_s,
+            'peak_memory_bytes': _peak_memory(self._program)}
 
   def _say_skipped(self, step: int, metrics: dict) -> None:
     """Prints the line of a step whose update was skipped (non-finite)."""
     if self.leader:
-      print(f'step {step:6d} | loss {metrics["loss"]:.4g} | grad '
-            f'{metrics["grad_norm"]:.4g}: not finite, update skipped '
-            f'({self._in_a_row} in a row; the run stops at max_bad_steps='
-            f'{self._cfg.max_bad_steps})', flush=True)
+      self._bar.write(
+          f'step {step:6d} | loss {metrics["loss"]:.4g} | grad '
+          f'{metrics["grad_norm"]:.4g}: not finite, update skipped '
+          f'({self._in_a_row} in a row; the run stops at max_bad_steps='
+          f'{self._cfg.max_bad_steps})')
 
   def eval(self, step: int, loss: float) -> None:
     ppl = math.exp(min(loss, 50))
     self.logger.log(step, {'loss': loss, 'perplexity': ppl}, prefix='eval')
     if self.leader:
-      print(f'step {step:6d} | eval loss {loss:.4f} | ppl {ppl:.2f}')
+      self._bar.write(f'step {step:6d} | eval loss {loss:.4f} | ppl '
+                      f'{ppl:.2f}')
 
   def close(self) -> None:
     if self._bar:
       self._bar.close()
     self.logger.close()
+
+
+def _step_line(step: int, x: dict) -> str:
+  """One log line: the step's numbers and its interval's."""
+  mfu = '' if x['mfu'] is None else f' | MFU {100 * x["mfu"]:.1f}%'
+  memory = ('' if x['peak_memory_bytes'] is None else
+            f' | mem {x["peak_memory_bytes"] / 2**30:.2f} GiB')
+  return (f'step {step:6d} | loss {x["loss"]:.4f} | lr {x["lr"]:.2e} | '
+          f'grad {x["grad_norm"]:.3f} | {x["step_ms"]:.1f} ms/step | '
+          f'{x["tokens_per_s"]:,.0f} tok/s{mfu} | '
+          f'{x["comm_bytes"] / 2**20:.3f} MiB/step | '
+          f'{_duration(x["elapsed_s"])} elapsed, ETA '
+          f'{_duration(x["eta_s"])}{memory}')
+
+
+def _duration(seconds: float) -> str:
+  minutes, s = divmod(int(round(seconds)), 60)
+  hours, m = divmod(minutes, 60)
+  return f'{hours}h{m:02d}m' if hours else f'{m}m{s:02d}s'
+
+
+def _peak_memory(program: Program) -> Optional[int]:
+  """The largest peak bytes in use of this process's devices, or None
+  where they do not report it (the CPU)."""
+  peaks = []
+  for device in program.mesh.local_devices:
+    stats = device.memory_stats() or {}
+    if 'peak_bytes_in_use' in stats:
+      peaks.append(stats['peak_bytes_in_use'])
+  return max(peaks) if peaks else None
 
 
 class _Saver:
@@ -344,12 +405,17 @@ def _train(cfg: config_lib.Config, devices,
   if start and leader:
     print(f'resumed from {cfg.out_dir}/ckpt step {start}')
   programs = StepPrograms(program)
+  if leader:
+    print(banner.banner(cfg, program), flush=True)
   compile_s = programs.start(updates, cfg.steps, say=(
       lambda line: print(line, flush=True)) if leader else None)
-  reporter.logger.log(start, {'first_program_s': compile_s, 'programs': len(
-      programs.first_counts(updates, cfg.steps))}, prefix='compile')
-  if leader:
-    _print_collectives(programs, updates)
+  if updates < cfg.steps:
+    reporter.logger.log(start, {
+        'first_program_s': compile_s,
+        'programs': len(programs.first_counts(updates, cfg.steps))},
+                        prefix='compile')
+    if leader:
+      _print_collectives(programs, updates)
   # A signal after the last step (final eval, the wait for the last save)
   # is held too: the run finishes and saves; a second one kills at once.
   with preemption.StopSignals() as signals:
@@ -369,6 +435,9 @@ def _train(cfg: config_lib.Config, devices,
       raise outdir.OutputError(
           f'{e}; {outdir.lost_work(ckpt.directory, reporter.last_step)}'
       ) from e
+  if leader and updates < cfg.steps:
+    print('bytes each device sent per step, by program:\n' +
+          banner.bytes_table(programs.runs(updates, cfg.steps)))
   return _summarize(cfg, reporter, start, last_eval, compile_s)
 
 
