@@ -37,7 +37,7 @@ def _blocks():
 
 def test_readme_has_the_examples():
   titles = [t for t, _ in _blocks()]
-  assert titles.count('Using SCAPE in your own optax pipeline') == 2
+  assert titles.count('Using SCAPE in your own optax pipeline') == 1
 
 
 @pytest.mark.parametrize('index', range(len(_blocks())))
