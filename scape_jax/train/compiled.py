@@ -14,7 +14,6 @@ those of compiling them all first.
 """
 
 import concurrent.futures
-import threading
 import time
 from typing import Callable, Optional
 
@@ -33,31 +32,25 @@ class StepPrograms:
   def __init__(self, program: Program):
     self._program = program
     self._futures = {}
-    self._lock = threading.Lock()
     self._pool = concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix='compile')
-    self.seconds = {}  # program key -> its compile time, in seconds
     self._waited = 0.0
 
   def key(self, count: int) -> tuple:
     """The program of the update after `count`: its sorted static args."""
     return program_key(self._program, count)
 
-  def _compile(self, key: tuple, count: int) -> tuple:
-    t = time.perf_counter()
+  def _compile(self, count: int) -> tuple:
     exe = self._program.compile_step(count)
-    cols = analysis.collectives_from_hlo(exe.as_text())
-    self.seconds[key] = time.perf_counter() - t
-    return exe, cols
+    return exe, analysis.collectives_from_hlo(exe.as_text())
 
   def submit(self, count: int) -> concurrent.futures.Future:
     """The future of the update after `count`'s program (compiled in the
     background thread, once)."""
     key = self.key(count)
-    with self._lock:
-      if key not in self._futures:
-        self._futures[key] = self._pool.submit(self._compile, key, count)
-      return self._futures[key]
+    if key not in self._futures:  # (called from the loop's thread only)
+      self._futures[key] = self._pool.submit(self._compile, count)
+    return self._futures[key]
 
   def __call__(self, count: int):
     """(executable, bytes sent per device) for the update after `count`;
