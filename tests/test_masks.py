@@ -89,14 +89,8 @@ def test_words_to_offsets_and_back_match_the_bit_versions(c, k):
       np.asarray(words))
 
 
-@pytest.mark.parametrize('batch_words', [1 << 26, 40, 1])
-def test_many_leaves_decoded_in_one_call_give_each_leafs_offsets(
-    monkeypatch, batch_words):
-  # The batched decode (`BATCH_DECODE`'s platforms) against NumPy, with
-  # groups of every leaf, of a few leaves, and of one leaf each
-  # (`_BATCH_WORDS`); and through `words_to_offsets_many` on CPU, with and
-  # without it.
-  rng = np.random.default_rng(batch_words)
+def test_many_leaves_decoded_in_one_call_give_each_leafs_offsets():
+  rng = np.random.default_rng(0)
   bits = []
   for c, k in [(1000, 100), (64, 64), (5000, 50), (33, 16), (2048, 600)]:
     b = np.zeros((3, c), bool)
@@ -105,16 +99,10 @@ def test_many_leaves_decoded_in_one_call_give_each_leafs_offsets(
     bits.append(b)
   parts = [masks.pack_bits(jnp.asarray(b)) for b in bits]
   ks = [int(b[0].sum()) for b in bits]
-  monkeypatch.setattr(masks, '_BATCH_WORDS', batch_words)
-  for offsets, b in zip(masks._words_to_offsets_batched(parts, ks), bits):  # pylint: disable=protected-access
+  decoded = jax.jit(lambda *p: masks.words_to_offsets_many(p, ks))(*parts)
+  for offsets, b in zip(decoded, bits):
     np.testing.assert_array_equal(
         np.asarray(offsets), np.stack([np.flatnonzero(r) for r in b]))
-  for platforms in [(), ('cpu',)]:
-    monkeypatch.setattr(masks, 'BATCH_DECODE', platforms)
-    decoded = jax.jit(lambda *p: masks.words_to_offsets_many(p, ks))(*parts)
-    for offsets, b in zip(decoded, bits):
-      np.testing.assert_array_equal(
-          np.asarray(offsets), np.stack([np.flatnonzero(r) for r in b]))
 
 
 def test_words_to_offsets_is_decoded_once_for_a_gather_and_a_scatter(

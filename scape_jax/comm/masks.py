@@ -224,61 +224,11 @@ def words_to_offsets(words: jax.Array, k: int) -> jax.Array:
 # "What was tried").
 _STORE_OFFSETS = True
 
-# The lowering platforms on which `words_to_offsets_many` decodes every
-# leaf's bitmaps in one call, not one call per leaf (read when traced).
-# None yet: on CPU one call for all leaves is no faster in the update
-# (docs/design.md, "What was tried") and slower alone; on a GPU it
-# would launch one set of kernels for the whole tree instead of one per
-# leaf, which passed the GPU tests but is not yet timed there
-# (docs/benchmarks.md, section 2).
-BATCH_DECODE = ()
-# Words of one batched decode: its offsets, 32 per word, stay below 2**31.
-_BATCH_WORDS = (1 << 31) // 32
-
-
 def words_to_offsets_many(parts: Sequence[jax.Array],
                           ks: Sequence[int]) -> list:
   """`words_to_offsets` of many leaves: uint32[n, w_j] bitmaps with k_j set
-  bits per row -> int32[n, k_j] each, the same offsets leaf by leaf or, on
-  the platforms of `BATCH_DECODE`, in one decode of the bitmaps laid end
-  to end (`jax.lax.platform_dependent`, resolved when lowered)."""
-  ks = [int(k) for k in ks]
-
-  def per_leaf(*parts):
-    return [words_to_offsets(p, k) for p, k in zip(parts, ks)]
-
-  def batched(*parts):
-    return _words_to_offsets_batched(parts, ks)
-
-  if len(parts) < 2 or not BATCH_DECODE:
-    return per_leaf(*parts)
-  return jax.lax.platform_dependent(
-      *parts, default=per_leaf, **{p: batched for p in BATCH_DECODE})
-
-
-def _words_to_offsets_batched(parts, ks) -> list:
-  """One `words_to_offsets` per group of consecutive leaves of fewer than
-  `_BATCH_WORDS` words (a leaf of more is a group alone): row r of a group
-  holds each leaf's row r end to end, so its set bits are leaf j's k_j,
-  then leaf j + 1's, ...; leaf j's offsets are the next k_j decoded, less
-  32 times the words before its own."""
-  groups, size = [[]], 0
-  for j, p in enumerate(parts):
-    if groups[-1] and size + p.shape[1] >= _BATCH_WORDS:
-      groups.append([])
-      size = 0
-    groups[-1].append(j)
-    size += p.shape[1]
-  out = []
-  for group in groups:
-    decoded = words_to_offsets(
-        jnp.concatenate([parts[j] for j in group], axis=1),
-        sum(ks[j] for j in group))
-    first, words = 0, 0
-    for j in group:
-      out.append(decoded[:, first:first + ks[j]] - 32 * words)
-      first, words = first + ks[j], words + parts[j].shape[1]
-  return out
+  bits per row -> int32[n, k_j] each, one decode per leaf."""
+  return [words_to_offsets(p, int(k)) for p, k in zip(parts, ks)]
 
 
 def offsets_to_words(offsets: jax.Array, c: int) -> jax.Array:
@@ -406,16 +356,9 @@ def set_at(x: jax.Array, layout: LeafLayout, offsets: jax.Array,
   follows them, so XLA writes into x's buffer instead of copying x first
   (it copies whenever another reader of x may still run after it).
   """
-  if _SCATTER_AFTER:
-    values = _following(values, after)
+  values = _following(values, after)
   return x.reshape(-1).at[_flat_index(layout, offsets)].set(
       values, mode='drop').reshape(x.shape)
-
-
-# False: `set_at` ignores `after`, and XLA copies x before the scatter where
-# another op may still read x, as before (read when traced;
-# docs/design.md, "What was tried").
-_SCATTER_AFTER = True
 
 
 def _following(x: jax.Array, deps: Sequence[jax.Array]) -> jax.Array:

@@ -10,15 +10,9 @@ import jax
 import jax.numpy as jnp
 
 
-# False: `squared_norm` is jnp.sum(x * x), which XLA:CPU hands to YNNPACK, as
-# before (read when traced; docs/design.md, "What was tried").
-OWN_REDUCTION = True
-
-
 def squared_norm(x: jax.Array) -> jax.Array:
-  """sum(x * x) of a leaf-sized or compacted array: `sum_squares`, or with
-  `OWN_REDUCTION` off the plain sum."""
-  return sum_squares(x) if OWN_REDUCTION else jnp.sum(x * x)
+  """sum(x * x) of a leaf-sized or compacted array (`sum_squares`)."""
+  return sum_squares(x)
 
 
 # Entries per row of a 1-D array in `sum_squares` (a leaf of ndim >= 2 is

@@ -34,18 +34,11 @@ def squared_norms(gbar, bbar, in_mask, mu, exchanged, plan, global_masks,
       out.append(optax.tree.norm(g, squared=True))
     elif values.size > layout.padded * _NORM_AT_M_MAX_DENSITY:
       out.append(_norms.sum_squares(jnp.where(inside, b - b1 * m, 0.0))
-                 * (1.0 / (1.0 - b1))**2 if _NORM_FUSED else
-                 optax.tree.norm(g, squared=True))
+                 * (1.0 / (1.0 - b1))**2)
     else:
       m_at = masks.gather_at(m, layout, mask.offsets)
       out.append(_norms.squared_norm((values - b1 * m_at) / (1.0 - b1)))
   return out
-
-
-# False: `squared_norms` sums the stored full-shape gbar on the sparse leaves
-# above `_NORM_AT_M_MAX_DENSITY`, as before (read when traced;
-# docs/design.md, "What was tried").
-_NORM_FUSED = True
 
 
 def clip(gbar, clip_norm, squares=None):
