@@ -11,7 +11,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run(script: str, *argv, cwd=None) -> subprocess.CompletedProcess:
   """`python bench/<script>.py argv...`, its output captured."""
   env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env.pop('XLA_FLAGS', None)  # each script sets its own devices
+  # Each script sets its own devices; the flags that only speed up the
+  # compile (conftest.py) stay.
+  env['XLA_FLAGS'] = ' '.join(
+      f for f in env.get('XLA_FLAGS', '').split()
+      if not f.startswith('--xla_force_host_platform_device_count'))
   return subprocess.run(
       [sys.executable, os.path.join(ROOT, 'bench', f'{script}.py'),
        *map(str, argv)], capture_output=True, text=True, env=env, cwd=cwd,

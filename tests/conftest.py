@@ -40,6 +40,9 @@ from scape_jax.data.prepare import make_synthetic_corpus  # noqa: E402
 import tier_map  # noqa: E402  (tests/ is on sys.path: it has no __init__.py)
 
 
+# First: xdist's own hook reads the xdist_group markers added here (on
+# each worker) into the test ids it schedules by.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
   """Marks each test with its tier (tests/tier_map.py): `-m unit` is
   `make test-fast`. A test file missing from tier_map.MODULE_TIERS is marked

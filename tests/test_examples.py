@@ -60,7 +60,7 @@ def _pier_variant() -> str:
 
 def _run(code: str, tmp_path) -> str:
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu',
-             XLA_FLAGS='--xla_force_host_platform_device_count=8')
+             XLA_FLAGS=os.environ['XLA_FLAGS'])  # conftest's: 8 devices
   proc = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, env=env,
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]

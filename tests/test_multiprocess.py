@@ -65,8 +65,10 @@ def _env(device_count: int) -> dict:
   return env
 
 
-# Extra overrides of a test case: 'scape-bf16' is SCAPE's half-width wire,
-# whose all-to-all then crosses the processes over gloo.
+# Extra overrides of a test case: 'scape-bf16' is SCAPE's half-width wire:
+# its mask all-gather, all-to-all and all-gather cross the processes over
+# gloo. (The fp32 wire's one all-reduce is adamw's collective: that case
+# covers it.)
 _CASES = {'scape-bf16': ('scape', {'optimizer.scape.payload_dtype': 'bfloat16',
                                    'optimizer.scape.offset_bits': 'auto'})}
 
@@ -157,7 +159,7 @@ def data_dir(tmp_path_factory):
   return path
 
 
-@pytest.mark.parametrize('optimizer', ['scape', 'scape-bf16', 'adamw'])
+@pytest.mark.parametrize('optimizer', ['scape-bf16', 'adamw'])
 def test_two_processes_match_one_process(optimizer, data_dir, tmp_path):
   # Run A: 1 process, 2 devices. Run B: 2 processes, 1 device each, one
   # shared out_dir (orbax writes the checkpoint from both; only process 0

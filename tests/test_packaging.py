@@ -99,9 +99,12 @@ def _elsewhere(tmp_path, site, code=None, args=(), devices=None):
   where.mkdir(exist_ok=True)
   env = dict(os.environ, PYTHONPATH=str(site), JAX_PLATFORMS='cpu',
              SCAPE_JAX_CACHE=str(tmp_path / 'cache'))
-  env.pop('XLA_FLAGS', None)
+  # conftest's flags that only speed up the compile stay.
+  flags = [f for f in env.pop('XLA_FLAGS', '').split()
+           if not f.startswith('--xla_force_host_platform_device_count')]
   if devices:
-    env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
+    flags.append(f'--xla_force_host_platform_device_count={devices}')
+  env['XLA_FLAGS'] = ' '.join(flags)
   cmd = ([sys.executable, '-c', code] if code is not None else
          [str(site / 'bin' / args[0]), *args[1:]])
   return subprocess.run(cmd, cwd=where, env=env, capture_output=True,

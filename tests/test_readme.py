@@ -44,7 +44,7 @@ def test_readme_has_the_examples():
 def test_readme_block_runs(tmp_path, index):
   title, code = _blocks()[index]
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu',
-             XLA_FLAGS='--xla_force_host_platform_device_count=8')
+             XLA_FLAGS=os.environ['XLA_FLAGS'])  # conftest's: 8 devices
   proc = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, env=env,
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, f'README block {index} ({title}):\n' + (

@@ -73,8 +73,7 @@ def test_log_lines_never_share_a_terminal_line_with_the_bar(corpus,
   """The demo config for a few steps under a pseudo-terminal (tqdm draws
   its bar there): every log line stands on a terminal line of its own, and
   the banner names the model and its parameters."""
-  env = dict(os.environ, JAX_PLATFORMS='cpu',
-             XLA_FLAGS='--xla_force_host_platform_device_count=8')
+  env = dict(os.environ, JAX_PLATFORMS='cpu')  # conftest's XLA_FLAGS: 8 devices
   primary, secondary = pty.openpty()
   fcntl.ioctl(secondary, termios.TIOCSWINSZ,  # a 24 x 120 terminal
               struct.pack('HHHH', 24, 120, 0, 0))

@@ -68,7 +68,7 @@ def test_sends_algorithm_1s_collectives_and_bytes():
   """The same collectives, dtypes and elements as `scape` in the compiled
   step, at a sparse and at a dense level; the steps differ."""
   params = random_params({'w1': (256, 64), 'w2': (128, 96), 'b': (64,)})
-  n, schedule = 8, scape_jax.DensitySchedule(0.1, 4)
+  n, schedule = 8, scape_jax.DensitySchedule(0.1, 4, max_levels=2)
   cols, finals = {}, {}
   for name, alias in (('scape', scape_jax.scape),
                       ('local', scape_jax.scape_local_adam)):

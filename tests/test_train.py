@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -45,12 +46,14 @@ def test_resume_is_bit_exact(corpus, tmp_path, local_adam):
           f'--config.optimizer.scape.local_adam={local_adam}',
           '--config.eval_every=0')
   straight = trainer.train(_cfg(corpus, tmp_path / 'a', '--config.steps=6',
-                                *args))
-  trainer.train(_cfg(corpus, tmp_path / 'b', '--config.steps=3', *args))
+                                '--config.ckpt_every=3', *args))
+  # Run b: run a's checkpoint of step 3 alone, as if it had stopped there.
+  shutil.copytree(tmp_path / 'a' / 'ckpt', tmp_path / 'b' / 'ckpt')
+  shutil.rmtree(tmp_path / 'b' / 'ckpt' / '6')
   resumed = trainer.train(_cfg(corpus, tmp_path / 'b', '--config.steps=6',
-                               *args), allow_config_change=True)  # steps
+                               '--config.ckpt_every=3', *args))
   assert resumed['start_step'] == 3
-  assert _train_losses(tmp_path / 'b') == straight['losses']  # bit for bit
+  assert resumed['losses'] == straight['losses'][3:]  # bit for bit
 
 
 def test_scape_trains_like_adams(corpus, tmp_path):
@@ -58,8 +61,8 @@ def test_scape_trains_like_adams(corpus, tmp_path):
 
   Outside the mask SCAPE moves a parameter only when it is selected, so over
   a short run it trails AdamS; docs/results.md has the longer comparison.
-  Four density levels compile half the programs of the default eight (the
-  ratio is 0.726 with four, 0.724 with eight).
+  Two density levels (1 and 0.1) compile three programs where the default
+  eight compile nine (the ratio is 0.727 with two, 0.724 with eight).
   """
   drop = {}
   for name in ('adams', 'scape'):
@@ -67,7 +70,7 @@ def test_scape_trains_like_adams(corpus, tmp_path):
                '--config.eval_every=0', f'--config.optimizer.name={name}',
                '--config.optimizer.scape.density=0.1',
                '--config.optimizer.scape.density_warmup_steps=20',
-               '--config.optimizer.scape.density_levels=4')
+               '--config.optimizer.scape.density_levels=2')
     losses = trainer.train(cfg)['losses']
     drop[name] = losses[0] - np.mean(losses[-5:])
     assert np.mean(losses[-5:]) < 0.5 * losses[0], (name, losses)

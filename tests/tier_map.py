@@ -3,8 +3,9 @@
 * unit: the library against NumPy/optax references, parsers, config checks,
   small compiled programs; no trainer run, no subprocess. `make test-fast`.
 * integration: the trainer in-process (`scape_jax.train.train`, train.py's
-  `main`, a bench driver's `main`) or the trainer's program of a real model
-  built and stepped (`build_program`).
+  `main`, a bench driver's `main`), the trainer's program of a real model
+  built and stepped (`build_program`), or a whole update with its Pallas
+  kernels in Pallas' interpreter (slow on the CPU).
 * system: other processes: train.py, pip or python subprocesses,
   multi-process `jax.distributed`, network namespaces, mounts.
 
@@ -27,7 +28,7 @@ MODULE_TIERS = {
     'test_alg2': UNIT,
     'test_architecture': UNIT,
     'test_bench': SYSTEM,  # runs bench/comm_volume.py as a subprocess
-    'test_bench_cli': UNIT,
+    'test_bench_cli': SYSTEM,  # bench/ scripts as subprocesses
     'test_bench_overhead': INTEGRATION,
     'test_checkpoint': UNIT,
     'test_cli': SYSTEM,
@@ -44,7 +45,7 @@ MODULE_TIERS = {
     'test_eval_downstream': UNIT,
     'test_examples': SYSTEM,  # docs/examples.md's blocks as subprocesses
     'test_fcdp': INTEGRATION,
-    'test_fcdp_bench': UNIT,
+    'test_fcdp_bench': SYSTEM,  # bench/fcdp_volume.py as a subprocess
     'test_gpu': UNIT,
     'test_hf': INTEGRATION,
     'test_hf_convert': UNIT,
@@ -104,6 +105,7 @@ TEST_TIERS = {
         INTEGRATION,
     ('test_readme', 'test_readme_block_runs'): SYSTEM,
     ('test_run_output', 'test_flops_of_llama_tiny_by_hand'): UNIT,
+    ('test_scape', 'test_the_pallas_select_gives_the_sort_run'): INTEGRATION,
     ('test_run_output',
      'test_log_lines_never_share_a_terminal_line_with_the_bar'): SYSTEM,
     ('test_update_count', 'test_a_skipped_update_is_a_dropped_batch'):
