@@ -5,17 +5,15 @@ import os
 import subprocess
 import sys
 
+from tiny_runs import xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(script: str, *argv, cwd=None) -> subprocess.CompletedProcess:
   """`python bench/<script>.py argv...`, its output captured."""
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  # Each script sets its own devices; the flags that only speed up the
-  # compile (conftest.py) stay.
-  env['XLA_FLAGS'] = ' '.join(
-      f for f in env.get('XLA_FLAGS', '').split()
-      if not f.startswith('--xla_force_host_platform_device_count'))
+  # Each script sets its own devices.
+  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=xla_flags())
   return subprocess.run(
       [sys.executable, os.path.join(ROOT, 'bench', f'{script}.py'),
        *map(str, argv)], capture_output=True, text=True, env=env, cwd=cwd,

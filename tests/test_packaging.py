@@ -18,6 +18,8 @@ import zipfile
 
 import pytest
 
+from tiny_runs import xla_flags
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOURCES = ('pyproject.toml', 'README.md', 'scape_jax', 'models', 'configs')
 
@@ -98,13 +100,8 @@ def _elsewhere(tmp_path, site, code=None, args=(), devices=None):
   where = tmp_path / 'elsewhere'
   where.mkdir(exist_ok=True)
   env = dict(os.environ, PYTHONPATH=str(site), JAX_PLATFORMS='cpu',
-             SCAPE_JAX_CACHE=str(tmp_path / 'cache'))
-  # conftest's flags that only speed up the compile stay.
-  flags = [f for f in env.pop('XLA_FLAGS', '').split()
-           if not f.startswith('--xla_force_host_platform_device_count')]
-  if devices:
-    flags.append(f'--xla_force_host_platform_device_count={devices}')
-  env['XLA_FLAGS'] = ' '.join(flags)
+             SCAPE_JAX_CACHE=str(tmp_path / 'cache'),
+             XLA_FLAGS=xla_flags(devices))
   cmd = ([sys.executable, '-c', code] if code is not None else
          [str(site / 'bin' / args[0]), *args[1:]])
   return subprocess.run(cmd, cwd=where, env=env, capture_output=True,

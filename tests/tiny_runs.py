@@ -1,5 +1,8 @@
 """Shared pieces of the tests that run the trainer on a tiny model: the
-config of a short run on a synthetic corpus, and random token batches."""
+config of a short run on a synthetic corpus, random token batches, and the
+XLA flags of a subprocess."""
+
+import os
 
 import numpy as np
 
@@ -41,3 +44,14 @@ def tiny_tokenizer_json(path, words: str = 'to be or not to be'):
       vocab_size=40, special_tokens=['<|endoftext|>'], show_progress=False))
   tok.save(str(path))
   return path
+
+
+def xla_flags(devices=None) -> str:
+  """XLA_FLAGS for a subprocess: conftest's flags that only speed up the
+  compile, and `devices` simulated CPU devices (None: the subprocess's own
+  choice)."""
+  flags = [f for f in os.environ.get('XLA_FLAGS', '').split()
+           if not f.startswith('--xla_force_host_platform_device_count')]
+  if devices:
+    flags.append(f'--xla_force_host_platform_device_count={devices}')
+  return ' '.join(flags)

@@ -10,11 +10,6 @@ import jax
 import jax.numpy as jnp
 
 
-def squared_norm(x: jax.Array) -> jax.Array:
-  """sum(x * x) of a leaf-sized or compacted array (`sum_squares`)."""
-  return sum_squares(x)
-
-
 # Entries per row of a 1-D array in `sum_squares` (a leaf of ndim >= 2 is
 # summed along its own last axis).
 _ROW = 1024
@@ -57,7 +52,7 @@ def _own_sum(x: jax.Array) -> jax.Array:
 
 
 def global_norm(leaves: Sequence[Optional[jax.Array]]) -> jax.Array:
-  """sqrt(sum of `squared_norm` over the leaves), None leaves skipped; 0.0
+  """sqrt(sum of `sum_squares` over the leaves), None leaves skipped; 0.0
   when there are none."""
-  return jnp.sqrt(sum((squared_norm(x) for x in leaves if x is not None),
+  return jnp.sqrt(sum((sum_squares(x) for x in leaves if x is not None),
                       jnp.zeros([], jnp.float32)))

@@ -37,7 +37,7 @@ def squared_norms(gbar, bbar, in_mask, mu, exchanged, plan, global_masks,
                  * (1.0 / (1.0 - b1))**2)
     else:
       m_at = masks.gather_at(m, layout, mask.offsets)
-      out.append(_norms.squared_norm((values - b1 * m_at) / (1.0 - b1)))
+      out.append(_norms.sum_squares((values - b1 * m_at) / (1.0 - b1)))
   return out
 
 
