@@ -110,8 +110,6 @@ TEST_TIERS = {
      'test_log_lines_never_share_a_terminal_line_with_the_bar'): SYSTEM,
     ('test_update_count', 'test_a_skipped_update_is_a_dropped_batch'):
         INTEGRATION,
-    ('test_update_count', 'test_a_resumed_run_keeps_the_count_of_skipped_steps'):
-        INTEGRATION,
     ('test_update_count',
      'test_radius_resumed_with_an_earlier_resample_is_refused'): INTEGRATION,
 }
