@@ -92,8 +92,11 @@ def test_words_to_offsets_and_back_match_the_bit_versions(c, k):
 def test_many_leaves_decoded_in_one_call_give_each_leafs_offsets():
   rng = np.random.default_rng(0)
   bits = []
-  for c, k in [(1000, 100), (64, 64), (5000, 50), (33, 16), (2048, 600)]:
-    b = np.zeros((3, c), bool)
+  # Leaves of one (c, k) are decoded together, their rows stacked (the
+  # first and fourth; the second and last, of other row counts).
+  for c, k, n in [(1000, 100, 3), (64, 64, 3), (5000, 50, 3), (1000, 100, 3),
+                  (33, 16, 3), (2048, 600, 3), (64, 64, 5)]:
+    b = np.zeros((n, c), bool)
     for row in b:
       row[rng.choice(c, k, replace=False)] = True
     bits.append(b)

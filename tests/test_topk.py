@@ -427,3 +427,40 @@ def test_every_select_types_its_words_like_its_inputs_in_shard_map(varying):
     k = 100 + w if varying == 'k' else 100
     for row in words:
       np.testing.assert_array_equal(row, _numpy_words(x, n, k))
+
+
+@pytest.mark.parametrize('select', ['sort', 'threshold'])
+def test_chunks_of_one_shape_are_selected_by_one_vmapped_select(select):
+  # Three chunks of one size (other data, num_valid and k, the k varying
+  # over the mesh) and one of another size: two selects traced, not four,
+  # and every chunk's words are its own top-k.
+  sizes, valid, ks = (4096, 4096, 4096, 5000), (4096, 4000, 3000, 5000), (
+      100, 7, 600, 50)
+  data = np.random.default_rng(1).normal(size=(2, sum(sizes)))
+  data = data.astype(np.float32)
+  bounds = np.cumsum((0,) + sizes)
+  traced = []
+  one = topk._select_one
+
+  def counted(*args, **kwargs):
+    traced.append(1)
+    return one(*args, **kwargs)
+
+  def per_worker(xs):
+    worker = jax.lax.axis_index('data')
+    chunks = [xs[0, a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    words = topk.chunks_topk_words(
+        chunks, valid, [min(c, 1024) for c in sizes],
+        [k + worker for k in ks], select=select)
+    return jnp.concatenate(words)[None]
+
+  mesh = jax.make_mesh((2,), ('data',), devices=jax.devices()[:2])
+  with jax.set_mesh(mesh), mock.patch.object(topk, '_select_one', counted):
+    got = jax.jit(jax.shard_map(per_worker, in_specs=P('data'),
+                                out_specs=P('data')))(
+        jax.device_put(jnp.asarray(data), NamedSharding(mesh, P('data'))))
+  assert len(traced) == 2
+  for w, row in enumerate(np.asarray(got)):
+    want = [_numpy_words(data[w, a:b], n, k + w) for a, b, n, k in zip(
+        bounds[:-1], bounds[1:], valid, ks)]
+    np.testing.assert_array_equal(row, np.concatenate(want))

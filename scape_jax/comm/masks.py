@@ -226,9 +226,49 @@ _STORE_OFFSETS = True
 
 def words_to_offsets_many(parts: Sequence[jax.Array],
                           ks: Sequence[int]) -> list:
-  """`words_to_offsets` of many leaves: uint32[n, w_j] bitmaps with k_j set
-  bits per row -> int32[n, k_j] each, one decode per leaf."""
-  return [words_to_offsets(p, int(k)) for p, k in zip(parts, ks)]
+  """`words_to_offsets` of many leaves: uint32[n_j, w_j] bitmaps with k_j
+  set bits per row -> int32[n_j, k_j] each. Leaves of one (w, k) are
+  decoded together, their rows stacked (the rows are independent: the same
+  offsets), so that the program holds one decode per group of leaves, not
+  per leaf."""
+  out = [None] * len(parts)
+  for members in equal_groups([(p.shape[1], int(k))
+                               for p, k in zip(parts, ks)]):
+    decoded = words_to_offsets(
+        jnp.concatenate([parts[j] for j in members]), int(ks[members[0]]))
+    for j, part in zip(members, _split_rows(
+        decoded, [parts[j].shape[0] for j in members])):
+      out[j] = part
+  return out
+
+
+def equal_groups(keys: Sequence) -> list:
+  """The indices of equal `keys`, grouped, in order of first appearance."""
+  groups = {}
+  for i, key in enumerate(keys):
+    groups.setdefault(key, []).append(i)
+  return list(groups.values())
+
+
+def offsets_to_words_many(offsets: Sequence[jax.Array],
+                          cs: Sequence[int]) -> list:
+  """`offsets_to_words` of many leaves: int32[n_j, k_j] offsets < c_j ->
+  uint32[n_j, ceil(c_j/32)] each, the leaves of one (k, c) together."""
+  out = [None] * len(offsets)
+  for members in equal_groups([(o.shape[1], int(c))
+                               for o, c in zip(offsets, cs)]):
+    words = offsets_to_words(jnp.concatenate([offsets[j] for j in members]),
+                             int(cs[members[0]]))
+    for j, part in zip(members, _split_rows(
+        words, [offsets[j].shape[0] for j in members])):
+      out[j] = part
+  return out
+
+
+def _split_rows(x: jax.Array, rows: Sequence[int]) -> list:
+  """Consecutive row blocks of x, of `rows` rows each."""
+  bounds = np.cumsum([0] + list(rows))
+  return [x[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def offsets_to_words(offsets: jax.Array, c: int) -> jax.Array:
@@ -275,12 +315,26 @@ def chunk_topk_bits(scores: jax.Array, valid: jax.Array, width: int,
 def mask_to_wire(own: jax.Array, layout: LeafLayout, k: int,
                  encoding: str) -> jax.Array:
   """One worker's packed chunk bitmap -> the uint32 words it sends."""
-  if encoding == 'bitmap':
-    return own
-  offsets = words_to_offsets(own[None], k)[0]
-  if encoding == 'indices':
-    return jax.lax.bitcast_convert_type(offsets, jnp.uint32)
-  return offsets_to_wire16(offsets, layout.chunk_size)
+  return masks_to_wire_many([own], [layout], [k], [encoding])[0]
+
+
+def masks_to_wire_many(owns: Sequence[jax.Array],
+                       layouts: Sequence[LeafLayout], ks: Sequence[int],
+                       encodings: Sequence[str]) -> list:
+  """`mask_to_wire` of many leaves: the offsets of those sent as offsets
+  are decoded together per group of one (w, k) (`words_to_offsets_many`)."""
+  index = [j for j, e in enumerate(encodings) if e != 'bitmap']
+  offsets = dict(zip(index, words_to_offsets_many(
+      [owns[j][None] for j in index], [ks[j] for j in index])))
+  out = []
+  for j, (own, layout, encoding) in enumerate(zip(owns, layouts, encodings)):
+    if encoding == 'bitmap':
+      out.append(own)
+    elif encoding == 'indices':
+      out.append(jax.lax.bitcast_convert_type(offsets[j][0], jnp.uint32))
+    else:
+      out.append(offsets_to_wire16(offsets[j][0], layout.chunk_size))
+  return out
 
 
 def offsets_from_wire(part: jax.Array, layout: LeafLayout, k: int,

@@ -64,10 +64,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from scape_jax.comm import masks
 from scape_jax.comm import radix
 from scape_jax.comm import search
 from scape_jax.kernels import topk_mask
-from scape_jax.kernels._common import ROW
+from scape_jax.kernels._common import ROW, same_varying
 from scape_jax.kernels.topk_mask import PAD_KEY, magnitude_key
 
 SELECTS = ('auto', 'sort', 'threshold', 'pallas_radix')
@@ -151,12 +152,38 @@ def chunks_topk_words(scores: Sequence[jax.Array], num_valid: Sequence,
 
 
 def _select_many(select: str, widths, scores, num_valid, ks) -> list:
-  """Every chunk's words by one select other than 'auto'."""
+  """Every chunk's words by one select other than 'auto'.
+
+  'sort' and 'threshold' select the chunks of one size, dtype and width
+  together, as one `jax.vmap` of the one-chunk select over them stacked
+  (the same bits: each chunk's search runs as alone, the vmapped loop
+  holding a finished chunk's state). The program then holds one select
+  per group, not per leaf: a Llama's 7 matrices per layer are 4 shapes, so
+  a deep model compiles a few searches, not hundreds (docs/design.md,
+  "Grouped leaves").
+  """
   if select == 'pallas_radix':
     return radix.radix_topk_words_many(scores, num_valid, ks,
                                        use_pallas=True)
-  return [_select_one(select, x, n, w, k)
-          for x, n, w, k in zip(scores, num_valid, widths, ks)]
+  out = [None] * len(scores)
+  for members in masks.equal_groups(
+      [(x.shape, x.dtype, w) for x, w in zip(scores, widths)]):
+    width = widths[members[0]]
+    if len(members) == 1:
+      i, = members
+      out[i] = _select_one(select, scores[i], num_valid[i], ks[i],
+                           width=width)
+      continue
+    # All of one shard_map type: vmap of a `lax.switch` inside (the
+    # search's `finish`) fails on operands of fewer varying axes than the
+    # branch index (jax 0.10: it casts them twice).
+    stacked = same_varying(*(jnp.stack([a[i] for i in members])
+                             for a in (scores, num_valid, ks)))
+    words = jax.vmap(functools.partial(_select_one, select, width=width))(
+        *stacked)
+    for row, i in enumerate(members):
+      out[i] = words[row]
+  return out
 
 
 def _check_width(width: int, c: int, where: str) -> None:
@@ -182,7 +209,7 @@ def auto_select(platform: str, width: int) -> str:
   return AUTO_SELECT.get(platform, 'threshold')
 
 
-def _select_one(select: str, x, num_valid, width: int, k) -> jax.Array:
+def _select_one(select: str, x, num_valid, k, *, width: int) -> jax.Array:
   """One chunk's words by 'sort' or 'threshold'."""
   if select == 'sort':
     return sort_topk_words(x, num_valid, width, k)

@@ -105,13 +105,16 @@ def exchange_masks(own_masks, plan, k_now, hyper, shift=None) -> list:
   One uint32 buffer carries every sparse leaf's contribution (bitmap or
   offsets, `LeafLayout.encoding`). Dense leaves get None. With `shift`
   (`next_own_masks`'), worker n's contribution is chunk (n + shift) % N's.
-  The bitmaps are decoded by `masks.words_to_offsets_many`.
+  The bitmaps are decoded by `masks.words_to_offsets_many`, the leaves of
+  one shape together, as are the offsets made bitmaps.
   """
   sparse = [j for j in range(len(own_masks)) if plan.is_sparse(j, k_now[j])]
   enc = {j: plan.layouts[j].encoding(k_now[j], hyper.encoding,
                                      hyper.offset_bits) for j in sparse}
-  wire = [masks.mask_to_wire(own_masks[j][0], plan.layouts[j], k_now[j],
-                             enc[j]) for j in sparse]
+  wire = masks.masks_to_wire_many([own_masks[j][0] for j in sparse],
+                                  [plan.layouts[j] for j in sparse],
+                                  [k_now[j] for j in sparse],
+                                  [enc[j] for j in sparse])
   global_masks = [None] * len(own_masks)
   if not wire:
     return global_masks
@@ -126,11 +129,13 @@ def exchange_masks(own_masks, plan, k_now, hyper, shift=None) -> list:
                                         [k_now[j] for j in bitmaps])
   for j, offsets in zip(bitmaps, decoded):
     global_masks[j] = GlobalMask(offsets, parts[j])
-  for j in (j for j in sparse if enc[j] != 'bitmap'):
-    offsets = masks.offsets_from_wire(parts[j], plan.layouts[j], k_now[j],
-                                      enc[j])
-    global_masks[j] = GlobalMask(offsets, masks.offsets_to_words(
-        offsets, plan.layouts[j].chunk_size))
+  index = [j for j in sparse if enc[j] != 'bitmap']
+  offsets = [masks.offsets_from_wire(parts[j], plan.layouts[j], k_now[j],
+                                     enc[j]) for j in index]
+  words = masks.offsets_to_words_many(
+      offsets, [plan.layouts[j].chunk_size for j in index])
+  for j, o, w in zip(index, offsets, words):
+    global_masks[j] = GlobalMask(o, w)
   return global_masks
 
 
