@@ -3,6 +3,7 @@ level in force at each step, against values worked out by hand, and
 Algorithm 1 under a warmup against the NumPy reference. The
 programs it selects are tested in test_scape.py."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -76,8 +77,9 @@ def test_a_density_level_outside_the_levels_is_refused(level):
   params = {'w': jnp.ones((16, 8))}
   tx = scape_jax.scape(1e-2, density=0.1, axis_name=None)
   state = tx.init(params)
+  update = jax.jit(tx.update, static_argnames='density_level')
   with pytest.raises(ValueError, match=r'density_level=.*; allowed: an '
                      r'integer in 0\.\.1 \(levels \(1\.0, 0\.1\)\)'):
-    tx.update(params, state, params, density_level=level)
+    update(params, state, params, density_level=level)
   for ok in (1, np.int64(1)):
-    tx.update(params, state, params, density_level=ok)
+    update(params, state, params, density_level=ok)

@@ -80,12 +80,14 @@ def test_words_to_offsets_and_back_match_the_bit_versions(c, k):
   bits = np.zeros((3, c), bool)
   for row in bits:
     row[rng.choice(c, k, replace=False)] = True
-  words = masks.pack_bits(jnp.asarray(bits))
-  offsets = np.asarray(masks.words_to_offsets(words, k))
+  words = jax.jit(masks.pack_bits)(jnp.asarray(bits))
+  offsets = np.asarray(jax.jit(masks.words_to_offsets, static_argnums=1)(
+      words, k))
   np.testing.assert_array_equal(offsets,
                                 np.stack([np.flatnonzero(r) for r in bits]))
   np.testing.assert_array_equal(
-      np.asarray(masks.offsets_to_words(jnp.asarray(offsets), c)),
+      np.asarray(jax.jit(masks.offsets_to_words, static_argnums=1)(
+          jnp.asarray(offsets), c)),
       np.asarray(words))
 
 

@@ -87,9 +87,10 @@ def test_sort_path_equals_the_mask_reference_and_its_top_k_width():
   x[[3, 40, 77]] = 0.5  # ties
   valid = np.arange(500) < 450
   for width, k in [(500, 500), (60, 60), (60, 7), (1, 1)]:
-    bits = masks.chunk_topk_bits(jnp.asarray(x), jnp.asarray(valid), width,
-                                 jnp.int32(k))
-    expected = np.asarray(masks.pack_bits(bits))
+    expected = np.asarray(jax.jit(
+        lambda x, valid, k: masks.pack_bits(masks.chunk_topk_bits(
+            x, valid, width, k)))(jnp.asarray(x), jnp.asarray(valid),
+                                  jnp.int32(k)))
     np.testing.assert_array_equal(expected, _numpy_words(x, 450, k))
     for select in ('sort', 'threshold', 'radix'):
       got = _selector(select, width)(jnp.asarray(x), jnp.int32(450),
@@ -178,8 +179,10 @@ def test_pallas_selects_equal_their_jnp_twins_and_numpy(select, twin, kind):
 
 
 def test_auto_resolves_per_lowering_platform():
+  one = jax.jit(topk.chunk_topk_words, static_argnums=2,
+                static_argnames='select')
   x = jnp.ones((100,))
-  words = topk.chunk_topk_words(x, 100, 10, 10)
+  words = one(x, 100, 10, 10)
   assert int(jnp.sum(jax.lax.population_count(words))) == 10
   for platform, choice in topk.AUTO_SELECT.items():
     assert choice in topk.SELECTS and choice != 'auto', platform
@@ -192,19 +195,18 @@ def test_auto_resolves_per_lowering_platform():
   x = jax.random.normal(jax.random.key(1), (4096,))
   for width in (16, 2048):
     np.testing.assert_array_equal(
-        np.asarray(topk.chunk_topk_words(x, 4000, width, width)),
-        np.asarray(topk.chunk_topk_words(x, 4000, width, width,
-                                         select='sort')))
+        np.asarray(one(x, 4000, width, width)),
+        np.asarray(one(x, 4000, width, width, select='sort')))
   # Many chunks in one call, narrow and wide mixed: each chunk's bits as
   # the sort gives them alone.
   y = jax.random.normal(jax.random.key(2), (3000,))
   chunks, widths = [x, y, x[:2500], y[:900]], [16, 1500, 2000, 900]
   valid, ks = [4000, 2999, 2500, 900], [16, 1234, 1999, 700]
-  got = topk.chunks_topk_words(chunks, valid, widths, ks)
+  got = jax.jit(topk.chunks_topk_words, static_argnums=2)(
+      chunks, valid, tuple(widths), ks)
   for g, c, n, w, k in zip(got, chunks, valid, widths, ks):
     np.testing.assert_array_equal(
-        np.asarray(g), np.asarray(topk.chunk_topk_words(c, n, w, k,
-                                                        select='sort')))
+        np.asarray(g), np.asarray(one(c, n, w, k, select='sort')))
 
 
 def test_auto_lowers_per_platform_for_all_chunks_at_once():

@@ -121,6 +121,8 @@ def test_16bit_offsets_round_trip_with_sub_blocks():
   rng = np.random.default_rng(0)
   to_wire = jax.jit(masks.mask_to_wire, static_argnums=(1, 2, 3))
   from_wire = jax.jit(masks.offsets_from_wire, static_argnums=(1, 2, 3))
+  to_wire16 = jax.jit(masks.offsets_to_wire16, static_argnums=1)
+  from_wire16 = jax.jit(masks.offsets_from_wire16, static_argnums=(1, 2))
   for chunk, k in [(200_000, 999), (65_536, 7), (300, 1)]:
     edges = [0, chunk - 1] + [b * masks.SUB_BLOCK + d for b in range(1, 4)
                               for d in (-1, 0) if b * masks.SUB_BLOCK < chunk]
@@ -129,18 +131,18 @@ def test_16bit_offsets_round_trip_with_sub_blocks():
     offs = np.sort(np.concatenate([rng.choice(edges, take, replace=False),
                                    rng.choice(pool, k - take, replace=False)]))
     other = np.sort(rng.choice(chunk, k, replace=False))  # a second worker
-    wire = masks.offsets_to_wire16(jnp.asarray(offs, jnp.int32), chunk)
+    wire = to_wire16(jnp.asarray(offs, jnp.int32), chunk)
     lay = masks.LeafLayout.create(chunk * 8, 8)
     assert wire.dtype == jnp.uint32
     assert wire.shape == (lay.wire_words(k, 'indices16'),)
     assert wire.shape == (-(-k // 2) + -(-chunk // masks.SUB_BLOCK) - 1,)
-    both = jnp.stack([wire, masks.offsets_to_wire16(
-        jnp.asarray(other, jnp.int32), chunk)])
-    back = masks.offsets_from_wire16(both, k, chunk)
+    both = jnp.stack([wire, to_wire16(jnp.asarray(other, jnp.int32),
+                                      chunk)])
+    back = from_wire16(both, k, chunk)
     np.testing.assert_array_equal(np.asarray(back), np.stack([offs, other]))
     bits = np.zeros(chunk, bool)
     bits[offs] = True
-    own = masks.pack_bits(jnp.asarray(bits))
+    own = jax.jit(masks.pack_bits)(jnp.asarray(bits))
     for enc in ('bitmap', 'indices', 'indices16'):
       sent = to_wire(own, lay, k, enc)
       assert sent.shape == (lay.wire_words(k, enc),)
