@@ -466,3 +466,13 @@ def test_chunks_of_one_shape_are_selected_by_one_vmapped_select(select):
     want = [_numpy_words(data[w, a:b], n, k + w) for a, b, n, k in zip(
         bounds[:-1], bounds[1:], valid, ks)]
     np.testing.assert_array_equal(row, np.concatenate(want))
+
+
+def test_stacks_hold_at_most_stack_max_entries(monkeypatch):
+  # A stack is a copy of its chunks: whole leaves of a large model (N = 1,
+  # Radius's resample) are selected one by one.
+  monkeypatch.setattr(topk, 'STACK_MAX', 10_000)
+  chunks = [jnp.zeros(4096)] * 3 + [jnp.zeros(5000)] + [jnp.zeros(20_000)] * 2
+  assert topk.stacks(chunks, [16] * 6) == [[0, 1], [2], [3], [4], [5]]
+  assert topk.stacks(chunks, [16, 8, 16, 16, 16, 16]) == [[0, 2], [1], [3],
+                                                          [4], [5]]

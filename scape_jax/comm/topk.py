@@ -85,6 +85,8 @@ AUTO_SELECT = {'cpu': 'threshold', 'cuda': 'pallas_radix', 'rocm': 'sort',
 # only; no entry: never).
 AUTO_SORT_MAX_WIDTH = {'cpu': 1024}
 SAMPLE = 1 << 12  # sampled keys that steer the first passes (docs/design.md)
+# Most entries `_select_many` stacks to select together (16 MiB of fp32).
+STACK_MAX = 1 << 22
 
 
 def check_select(select: str, where: str) -> None:
@@ -157,17 +159,16 @@ def _select_many(select: str, widths, scores, num_valid, ks) -> list:
   'sort' and 'threshold' select the chunks of one size, dtype and width
   together, as one `jax.vmap` of the one-chunk select over them stacked
   (the same bits: each chunk's search runs as alone, the vmapped loop
-  holding a finished chunk's state). The program then holds one select
-  per group, not per leaf: a Llama's 7 matrices per layer are 4 shapes, so
-  a deep model compiles a few searches, not hundreds (docs/design.md,
-  "Grouped leaves").
+  holding a finished chunk's state), up to `STACK_MAX` entries a stack.
+  The program then holds one select per group, not per leaf: a Llama's 7
+  matrices per layer are 4 shapes, so a deep model compiles a few
+  searches, not hundreds (docs/design.md, "Grouped leaves").
   """
   if select == 'pallas_radix':
     return radix.radix_topk_words_many(scores, num_valid, ks,
                                        use_pallas=True)
   out = [None] * len(scores)
-  for members in masks.equal_groups(
-      [(x.shape, x.dtype, w) for x, w in zip(scores, widths)]):
+  for members in stacks(scores, widths):
     width = widths[members[0]]
     if len(members) == 1:
       i, = members
@@ -183,6 +184,21 @@ def _select_many(select: str, widths, scores, num_valid, ks) -> list:
         *stacked)
     for row, i in enumerate(members):
       out[i] = words[row]
+  return out
+
+
+def stacks(scores, widths) -> list:
+  """The chunks `_select_many` selects together: groups of one shape,
+  dtype and width, cut into stacks of at most `STACK_MAX` entries (a chunk
+  larger than that alone). A stack is a copy of its chunks: a small one
+  where the chunks are 1/N of each leaf, none for a whole leaf of a
+  large model (N = 1, Radius's resample)."""
+  out = []
+  for members in masks.equal_groups(
+      [(x.shape, x.dtype, w) for x, w in zip(scores, widths)]):
+    per_stack = max(1, STACK_MAX // scores[members[0]].size)
+    out += [members[i:i + per_stack]
+            for i in range(0, len(members), per_stack)]
   return out
 
 
