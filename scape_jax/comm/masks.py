@@ -231,15 +231,16 @@ def words_to_offsets_many(parts: Sequence[jax.Array],
   decoded together, their rows stacked (the rows are independent: the same
   offsets), so that the program holds one decode per group of leaves, not
   per leaf."""
-  out = [None] * len(parts)
-  for members in equal_groups([(p.shape[1], int(k))
-                               for p, k in zip(parts, ks)]):
-    decoded = words_to_offsets(
-        jnp.concatenate([parts[j] for j in members]), int(ks[members[0]]))
-    for j, part in zip(members, _split_rows(
-        decoded, [parts[j].shape[0] for j in members])):
-      out[j] = part
-  return out
+  return _rows_stacked(lambda words, key: words_to_offsets(words, key[1]),
+                       parts, [(p.shape[1], int(k)) for p, k in zip(parts, ks)])
+
+
+def offsets_to_words_many(offsets: Sequence[jax.Array],
+                          cs: Sequence[int]) -> list:
+  """`offsets_to_words` of many leaves: int32[n_j, k_j] offsets < c_j ->
+  uint32[n_j, ceil(c_j/32)] each, the leaves of one (k, c) together."""
+  return _rows_stacked(lambda o, key: offsets_to_words(o, key[1]), offsets,
+                       [(o.shape[1], int(c)) for o, c in zip(offsets, cs)])
 
 
 def equal_groups(keys: Sequence) -> list:
@@ -250,25 +251,19 @@ def equal_groups(keys: Sequence) -> list:
   return list(groups.values())
 
 
-def offsets_to_words_many(offsets: Sequence[jax.Array],
-                          cs: Sequence[int]) -> list:
-  """`offsets_to_words` of many leaves: int32[n_j, k_j] offsets < c_j ->
-  uint32[n_j, ceil(c_j/32)] each, the leaves of one (k, c) together."""
-  out = [None] * len(offsets)
-  for members in equal_groups([(o.shape[1], int(c))
-                               for o, c in zip(offsets, cs)]):
-    words = offsets_to_words(jnp.concatenate([offsets[j] for j in members]),
-                             int(cs[members[0]]))
-    for j, part in zip(members, _split_rows(
-        words, [offsets[j].shape[0] for j in members])):
-      out[j] = part
+def _rows_stacked(fn, arrays: Sequence[jax.Array], keys: Sequence) -> list:
+  """`fn(rows, key)` once per group of equal `keys`, on the group's arrays
+  with their rows stacked; each array's own rows of the result."""
+  out = [None] * len(arrays)
+  for members in equal_groups(keys):
+    result = fn(jnp.concatenate([arrays[j] for j in members]),
+                keys[members[0]])
+    first = 0
+    for j in members:
+      rows = arrays[j].shape[0]
+      out[j] = result[first:first + rows]
+      first += rows
   return out
-
-
-def _split_rows(x: jax.Array, rows: Sequence[int]) -> list:
-  """Consecutive row blocks of x, of `rows` rows each."""
-  bounds = np.cumsum([0] + list(rows))
-  return [x[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def offsets_to_words(offsets: jax.Array, c: int) -> jax.Array:
