@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import script_runner
 from tiny_runs import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,3 +26,19 @@ def check(script: str, *argv) -> subprocess.CompletedProcess:
   proc = run(script, *argv)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc
+
+
+def run_many(cases: list) -> list:
+  """Runs each (script, argv, cwd) of `cases` as `python bench/<script>.py
+  argv...` in `cwd`; [(exit code, stderr)] in order. The runs of one script
+  share one subprocess (`script_runner`), each script its own (a script may
+  choose its simulated devices). For command lines that stop before any
+  work (usage errors)."""
+  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=xla_flags())
+  results = {}
+  for script in dict.fromkeys(s for s, _, _ in cases):
+    mine = [i for i, (s, _, _) in enumerate(cases) if s == script]
+    path = os.path.join(ROOT, 'bench', f'{script}.py')
+    results.update(zip(mine, script_runner.run_in_one_process(
+        [(path, cases[i][1], cases[i][2]) for i in mine], env)))
+  return [results[i] for i in range(len(cases))]

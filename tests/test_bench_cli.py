@@ -2,8 +2,6 @@
 usage error (exit 2, naming the option and the value) before any work, never
 a traceback after minutes of compiling, a silent default or an empty table."""
 
-import pytest
-
 from tests import bench_scripts
 
 # (script, argv, what stderr says). {file} is a regular file, {missing} a
@@ -52,16 +50,22 @@ USAGE_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize('script, argv, message', USAGE_ERRORS,
-                         ids=[f'{s}-{"_".join(a)[:40]}'
-                              for s, a, _ in USAGE_ERRORS])
-def test_bad_values_are_usage_errors(script, argv, message, tmp_path):
-  a_file = tmp_path / 'a_file'
-  a_file.write_text('')
-  fill = {'file': str(a_file), 'missing': str(tmp_path / 'missing')}
-  argv = [a.format(**fill) for a in argv]
-  proc = bench_scripts.run(script, *argv, cwd=tmp_path)
-  assert proc.returncode == 2, proc.stderr
-  assert message in proc.stderr
-  assert 'Traceback' not in proc.stderr
-  assert not (tmp_path / 'missing').exists()  # nothing was written
+def test_bad_values_are_usage_errors(tmp_path):
+  """Every case of USAGE_ERRORS, each in its own directory (one subprocess
+  runs them all, `bench_scripts.run_many`)."""
+  cases, dirs = [], []
+  for i, (script, argv, _) in enumerate(USAGE_ERRORS):
+    d = tmp_path / str(i)
+    d.mkdir()
+    (d / 'a_file').write_text('')
+    fill = {'file': str(d / 'a_file'), 'missing': str(d / 'missing')}
+    cases.append((script, [a.format(**fill) for a in argv], d))
+    dirs.append(d)
+  results = bench_scripts.run_many(cases)
+  for (script, argv, message), d, (code, stderr) in zip(USAGE_ERRORS, dirs,
+                                                        results):
+    case = f'{script} {argv}: exit {code}\n{stderr[-2000:]}'
+    assert code == 2, case
+    assert message in stderr, case
+    assert 'Traceback' not in stderr, case
+    assert not (d / 'missing').exists(), case  # nothing was written

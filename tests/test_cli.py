@@ -14,6 +14,7 @@ from scape_jax.train import checkpoint
 from scape_jax.train import cli
 from scape_jax.train import config as config_lib
 from scape_jax.data.prepare import make_synthetic_corpus
+from tests import script_runner
 from tests.tiny_runs import tiny_tokenizer_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,17 +27,25 @@ def _run(*args, timeout=300):
                         timeout=timeout, cwd=ROOT, check=False)
 
 
-@pytest.mark.parametrize('args, message', [
+BAD_CONFIGS = [
     (['--config.optimizer.lrr=1'], "unknown config key 'optimizer.lrr'"),
     (['--config.steps=abc'], "'steps': expected int, got 'abc'"),
     (['--config.optimizer.scape.density=1.5'], 'density'),
     (['--config', 'configs/nope.py'], 'configs/nope.py'),
-])
-def test_bad_config_is_a_clear_error(args, message):
-  proc = _run(*args)
-  assert proc.returncode == 2, proc.stderr
-  assert message in proc.stderr
-  assert 'Traceback' not in proc.stderr
+]
+
+
+def test_bad_config_is_a_clear_error():
+  """`python train.py` with each of BAD_CONFIGS (one subprocess runs them
+  all, `script_runner`)."""
+  results = script_runner.run_in_one_process(
+      [(os.path.join(ROOT, 'train.py'), args, ROOT)
+       for args, _ in BAD_CONFIGS],
+      dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu'))
+  for (args, message), (code, stderr) in zip(BAD_CONFIGS, results):
+    assert code == 2, (args, stderr)
+    assert message in stderr, (args, stderr)
+    assert 'Traceback' not in stderr, (args, stderr)
 
 
 @pytest.mark.parametrize('args, message', [
