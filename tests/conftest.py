@@ -10,18 +10,16 @@ import os
 import shutil
 import tempfile
 
+import fast_compile  # tests/ is on sys.path: it has no __init__.py
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
-# Only LLVM's optimization of the generated CPU code (HLO passes, where the
-# fusions and collectives are formed, are unaffected): compiling dominates
-# the tests, and this cuts their CPU time by 15-30% (user s, test_topk
-# 105 -> 78, test_scape 86 -> 72, test_offload 81 -> 58). The subprocesses
-# inherit it (test_multiprocess and bench/comm_volume.py set it already).
+# Flags that cut the compile time (tests/fast_compile.py); the subprocesses
+# inherit them.
 if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-  os.environ["XLA_FLAGS"] += (" --xla_backend_optimization_level=0"
-                              " --xla_llvm_disable_expensive_passes=true")
+  os.environ["XLA_FLAGS"] += " " + fast_compile.FLAGS
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _cache = tempfile.mkdtemp(prefix="scape-jax-test-xla-cache-")
   atexit.register(shutil.rmtree, _cache, ignore_errors=True)

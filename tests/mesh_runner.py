@@ -72,3 +72,23 @@ class MeshRunner:
         lambda p: jax.ShapeDtypeStruct(
             (self.n,) + np.shape(p), np.float32,
             sharding=NamedSharding(self.mesh, P('data'))), params)
+
+
+# Floats of two programs that do the same arithmetic in another order of
+# fusions may round apart: XLA:CPU's loop emitters (the tests' setting,
+# conftest.py) put two variants' updates up to 2 ulp apart after 3 steps.
+MAX_ULP = 4
+
+
+def assert_same_states(xs, ys, maxulp: int = MAX_ULP) -> None:
+  """Two runs' leaves (params, states) are the same: integer and bool leaves
+  (masks, counts) bit for bit, floats to `maxulp` units in the last place."""
+  xs, ys = jax.tree.leaves(xs), jax.tree.leaves(ys)
+  assert len(xs) == len(ys)
+  for x, y in zip(xs, ys):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape, (x.dtype, y.dtype)
+    if np.issubdtype(x.dtype, np.floating):
+      np.testing.assert_array_max_ulp(x, y, maxulp=maxulp)
+    else:
+      np.testing.assert_array_equal(x, y)

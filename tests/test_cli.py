@@ -14,6 +14,7 @@ from scape_jax.train import checkpoint
 from scape_jax.train import cli
 from scape_jax.train import config as config_lib
 from scape_jax.data.prepare import make_synthetic_corpus
+from tests import fast_compile
 from tests import script_runner
 from tests.tiny_runs import tiny_tokenizer_json
 
@@ -129,9 +130,6 @@ def test_corrupt_checkpoint_is_reported_and_left_alone(tmp_path):
   assert {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in after} == before
 
 
-# Cuts the XLA:CPU compile time of each run about in half.
-FAST_COMPILE = ('--xla_backend_optimization_level=0 '
-                '--xla_llvm_disable_expensive_passes=true')
 
 
 def _train_steps(out_dir) -> list:
@@ -147,7 +145,7 @@ def _signalled_run(args, out_dir, signum, after_step, timeout=300):
   """Runs train.py, sends `signum` once `after_step` is logged; (rc, output)."""
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
              PYTHONUNBUFFERED='1', XLA_FLAGS=(
-                 f'--xla_force_host_platform_device_count=8 {FAST_COMPILE}'))
+                 f'--xla_force_host_platform_device_count=8 {fast_compile.FLAGS}'))
   log = os.path.join(out_dir, f'log-{signum}.txt')
   os.makedirs(out_dir, exist_ok=True)
   with open(log, 'wb') as f:

@@ -9,7 +9,7 @@ gradient exchange (SCAPE's sparse collectives) and the optimizer are the same.
 
 Each run compiles the train step (two programs for SCAPE: the dense first
 step and the sparse steady state), which dominates the runtime. Both runs use
-the same XLA flags that cut CPU compile time (backend optimization level 0),
+the same XLA flags that cut CPU compile time (`tests/fast_compile.py`),
 so the comparison is still exact.
 """
 
@@ -25,14 +25,12 @@ import time
 import numpy as np
 import pytest
 from scape_jax.data import prepare
+from tests import fast_compile
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = REPO / 'train.py'
 STEPS = 4
 TIMEOUT_S = 400  # per test (runs A and B together); a hang guard, generous for a loaded machine
-# Cuts the XLA:CPU compile time of each run about in half; both runs use it.
-FAST_COMPILE = ('--xla_backend_optimization_level=0 '
-                '--xla_llvm_disable_expensive_passes=true')
 # Variables that would change the device count or start jax.distributed on
 # their own (train.py also joins a cluster found in SLURM/Open MPI variables).
 _CLUSTER_VARS = ('SLURM_NTASKS', 'OMPI_COMM_WORLD_SIZE')
@@ -57,7 +55,7 @@ def _env(device_count: int) -> dict:
   env.update(
       JAX_PLATFORMS='cpu',
       XLA_FLAGS=(f'--xla_force_host_platform_device_count={device_count} '
-                 f'{FAST_COMPILE}'),
+                 f'{fast_compile.FLAGS}'),
       PYTHONPATH=os.pathsep.join(
           [str(REPO)] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else [])),
       PYTHONUNBUFFERED='1',

@@ -28,14 +28,12 @@ import pytest
 
 from scape_jax import analysis
 from scape_jax.analysis import runs
+from tests import fast_compile
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 NETLAB = str(REPO / 'bench' / 'netlab.py')
 NETWORK = str(REPO / 'bench' / 'network.py')
 STEPS, WARMUP = 6, 2
-# Cuts each worker's XLA:CPU compile time about in half.
-FAST_COMPILE = ('--xla_backend_optimization_level=0 '
-                '--xla_llvm_disable_expensive_passes=true')
 # Counted TCP payload vs the HLO's bytes: the acceptance's 10%, and a floor
 # for the interpolation of the counters at the window's ends.
 TOLERANCE, FLOOR = 0.10, 0.97
@@ -113,7 +111,7 @@ def test_two_workers_over_a_shaped_link(namespaces, tmp_path):
                str(WARMUP), '--no-reference', '--set',
                'model.preset=llama-tiny', 'data.seq_len=32', '--run-dir',
                str(tmp_path), '--out', str(tmp_path / 'out'), '--xla-flags',
-               FAST_COMPILE, '--job-timeout', '180'])
+               fast_compile.FLAGS, '--job-timeout', '180'])
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   job = tmp_path / '100mbit' / 'adamw'
   # Training ran across the namespaces: every step logged, the model moved.

@@ -14,7 +14,8 @@ import scape_jax
 from scape_jax import analysis
 from scape_jax import train as trainer
 from scape_jax.train.checkpoint import Checkpointer
-from tests.mesh_runner import MeshRunner, random_params, worker_grads
+from tests.mesh_runner import MeshRunner, assert_same_states, random_params
+from tests.mesh_runner import worker_grads
 from tests.reference_methods import RadiusReference
 from tests.tiny_runs import run_config
 
@@ -157,9 +158,7 @@ def test_switch_fallback_equals_static_kinds():
   for i, g in enumerate(grads):
     a.step(g, schedule.kind(i))
     b.step(g)  # no step_kind: lax.switch on the state's count
-  for x, y in zip(jax.tree.leaves((a.params, a.state)),
-                  jax.tree.leaves((b.params, b.state))):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert_same_states((a.params, a.state), (b.params, b.state))
 
 
 def test_schedule_kinds():

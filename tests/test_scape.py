@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 import scape_jax
 from scape_jax.comm import masks
 from scape_jax.optim import _norms
-from tests.mesh_runner import MeshRunner, make_mesh, random_params
+from tests.mesh_runner import MeshRunner, assert_same_states, make_mesh
+from tests.mesh_runner import random_params
 from tests.mesh_runner import worker_grads as _worker_grads
 from tests.reference import ScapeReference
 from tests.reference import adams_reference, k_of
@@ -282,9 +283,10 @@ _SELECT_PARAMS = {'w': (40, 25), 'v': (7, 300), 'b': (25,)}
 
 
 def test_every_select_gives_the_same_masks_and_updates():
-  # The sort path and the sort-free jnp path on 4 workers: the same states
-  # to the last bit, over a density warmup. (The encodings decode to the
-  # same offsets whatever the select: test_bitmap_and_indices_agree.)
+  # The sort path and the sort-free jnp path on 4 workers: the same masks
+  # to the last bit, over a density warmup, so the same states (the floats
+  # to a few ulp: `assert_same_states`). (The encodings decode to the same
+  # offsets whatever the select: test_bitmap_and_indices_agree.)
   params = _params(4, _SELECT_PARAMS)
   grads = _worker_grads(params, 4, 3, seed=5)
   schedule = scape_jax.DensitySchedule(0.1, 2)
@@ -295,23 +297,22 @@ def test_every_select_gives_the_same_masks_and_updates():
                  params, 4)
     for i, g in enumerate(grads):
       run.step(g, schedule.level(i))
-    runs.append(jax.tree.leaves((run.params, run.state)))
-  for x, y in zip(*runs):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    runs.append((run.params, run.state))
+  assert_same_states(*runs)
 
 
 def test_the_pallas_select_gives_the_sort_run():
   # The Pallas kernels on one worker (Pallas' interpreter, which runs them
   # on CPU, does not support shard_map's varying types) against the sort:
-  # the same states to the last bit, over a density warmup.
+  # the same masks to the last bit, over a density warmup, so the same
+  # states (`assert_same_states`).
   params = _params(4, _SELECT_PARAMS)
   grads = _worker_grads(params, 4, 3, seed=5)
   schedule = scape_jax.DensitySchedule(0.1, 2)
   sort, pallas = [_run_single(scape_jax.scape(
       1e-2, density=schedule, axis_name=None, mask_encoding='indices',
       select=select), params, grads) for select in ('sort', 'pallas_radix')]
-  for x, y in zip(jax.tree.leaves(sort), jax.tree.leaves(pallas)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert_same_states(sort, pallas)
 
 
 def test_pallas_select_lowers_the_update_for_cuda():
@@ -402,9 +403,8 @@ def test_a_dense_step_before_a_dense_one_compiles_no_mask_search():
     assert ('stablehlo.while' in text) != next_dense
     for g in grads:
       run.step(g, next_dense)
-    runs.append(jax.tree.leaves((run.params, run.state)))
-  for x, y in zip(*runs):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    runs.append((run.params, run.state))
+  assert_same_states(*runs)
   single = scape_jax.scape(1e-2, density=schedule, axis_name=None)
   with pytest.raises(ValueError, match='next_dense=True with density_level=1'):
     single.update(params, single.init(params), params, density_level=1,
