@@ -25,6 +25,7 @@ from scape_jax.train import outdir
 from scape_jax.train import peers
 from scape_jax.train import resume
 from scape_jax.train import trainer as trainer_lib
+from tests import fast_compile
 from tests import test_multiprocess as multiprocess
 from tests.test_resilience import _args
 
@@ -38,7 +39,7 @@ def _env() -> dict:
   return dict(os.environ, PYTHONPATH=str(multiprocess.REPO),
               PYTHONUNBUFFERED='1', JAX_PLATFORMS='cpu',
               XLA_FLAGS=('--xla_force_host_platform_device_count=2 '
-                         f'{multiprocess.FAST_COMPILE}'))
+                         f'{fast_compile.FLAGS}'))
 
 
 def _command(corpus, out_dir, *overrides) -> list:
