@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -339,3 +340,23 @@ def test_peer_watch_names_a_silent_peer_and_a_peer_that_failed():
   time.sleep(0.4)
   assert watches[0].check() == ('process 2 of 3 stopped with exit code 2 '
                                 '(its log says why)')
+
+
+def test_process_0_ends_a_margin_after_the_others_announce(monkeypatch):
+  """Process 0, whose exit ends the coordination service (and aborts any
+  process still running), waits for the others' announcements and then
+  `EXIT_MARGIN_S` for them to end."""
+  monkeypatch.setattr(peers, 'EXIT_MARGIN_S', 0.5)
+  client = _KeyValues()
+  first, second = (peers.PeerWatch(i, 2, client=client) for i in range(2))
+  for watch in (second, first, second, first):  # 0 hears 1 beat
+    assert watch.check() is None
+  announce = threading.Timer(0.5, second._announce, (143,))  # pylint: disable=protected-access
+  start = time.monotonic()
+  announce.start()
+  first._leave(143)  # pylint: disable=protected-access
+  waited = time.monotonic() - start
+  announce.join()
+  assert dict(client.key_value_dir_get('scape_jax/exit/')) == {
+      'scape_jax/exit/0': '143', 'scape_jax/exit/1': '143'}
+  assert 1.0 <= waited < 3.0, waited  # 0.5 s to the announcement, 0.5 more

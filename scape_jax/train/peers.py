@@ -32,6 +32,10 @@ JAX_MARGIN_S = 30  # JAX's heartbeat timeout is the watch's plus this
 POLL_S = 1.0  # how often the watch beats and looks at the others' beats
 FAILED_WINDOW_S = 5.0  # a silence that is a loss once a collective failed
 GRACE_S = 10.0  # for this process to stop on its own after a peer's error
+# Process 0's wait, after the others announced their exits, for them to end
+# (on a loaded host a process may take this long between its announcement
+# and its exit; ended by the service's end, it aborts with a stack trace).
+EXIT_MARGIN_S = 1.0
 _BEAT = 'scape_jax/beat/'  # + process index: its heartbeat counter
 _EXIT = 'scape_jax/exit/'  # + process index: the exit code it ends with
 
@@ -169,8 +173,9 @@ class PeerWatch:
   def _leave(self, code: int) -> None:
     """Announces `code`. Process 0, whose exit ends the service and with it
     every other process (JAX aborts them), then waits for the others that
-    are still beating to announce theirs (up to `grace_s` + 5 s); with code
-    0 JAX's shutdown barrier waits for them instead."""
+    are still beating to announce theirs (up to `grace_s` + 5 s), and
+    `EXIT_MARGIN_S` more for them to end after announcing; with code 0
+    JAX's shutdown barrier waits for them instead."""
     if not self._announce(code) or self._me != 0 or code == 0:
       return
     deadline = time.monotonic() + self._grace_s + 5
@@ -187,6 +192,7 @@ class PeerWatch:
         if self._heard[p][0] != beats.get(p):
           self._heard[p] = beats.get(p), now
       if not waiting:
+        time.sleep(EXIT_MARGIN_S)
         return
       time.sleep(0.2)
 

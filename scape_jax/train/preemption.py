@@ -106,10 +106,10 @@ class StopAtOnce:
   def _stop(self, signum: int) -> None:
     self._stopping.set()
     code = 128 + signum
+    sys.stdout.flush()  # the line first: process 0's exit may end this one
+    print(stopped_at_once(signum), file=sys.stderr, flush=True)
     if self.before_exit is not None:
       self.before_exit(code)
-    sys.stdout.flush()
-    print(stopped_at_once(signum), file=sys.stderr, flush=True)
     os._exit(code)  # pylint: disable=protected-access
 
   def yield_to_a_stop(self, timeout_s: float = 60) -> None:
