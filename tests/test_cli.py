@@ -130,8 +130,6 @@ def test_corrupt_checkpoint_is_reported_and_left_alone(tmp_path):
   assert {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in after} == before
 
 
-
-
 def _train_steps(out_dir) -> list:
   path = os.path.join(out_dir, 'metrics.jsonl')
   if not os.path.exists(path):
@@ -145,7 +143,8 @@ def _signalled_run(args, out_dir, signum, after_step, timeout=300):
   """Runs train.py, sends `signum` once `after_step` is logged; (rc, output)."""
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
              PYTHONUNBUFFERED='1', XLA_FLAGS=(
-                 f'--xla_force_host_platform_device_count=8 {fast_compile.FLAGS}'))
+                 '--xla_force_host_platform_device_count=8 '
+                 f'{fast_compile.FLAGS}'))
   log = os.path.join(out_dir, f'log-{signum}.txt')
   os.makedirs(out_dir, exist_ok=True)
   with open(log, 'wb') as f:
