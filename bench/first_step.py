@@ -77,7 +77,7 @@ def _table(results: dict, repeats: int) -> str:
       continue
     a, s = (statistics.median(got[m]) for m in METHODS)
     lines.append(f'| {name} | {a:.1f} | {s:.1f} | {s / a:.2f}x |')
-  programs = {m: results[m][0].get('programs') for m in METHODS}
+  programs = {m: int(results[m][0].get('programs', 0)) for m in METHODS}
   lines += ['', f'Programs the demo compiles (the first before step 1, the '
             f'rest in the background): AdamS {programs["AdamS"]}, SCAPE '
             f'{programs["SCAPE"]}.']
