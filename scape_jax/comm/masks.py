@@ -392,11 +392,10 @@ def gather_at(x: jax.Array, layout: LeafLayout,
               offsets: jax.Array) -> jax.Array:
   """The N*k values of leaf x at chunk offsets int32[N, k], chunk by chunk
   (0 at padding)."""
-  if layout.padded == layout.size:  # every offset is in the leaf
-    return x.reshape(-1).at[_flat_index(layout, offsets)].get(
-        mode='promise_in_bounds')
-  return x.reshape(-1).at[_flat_index(layout, offsets)].get(
-      mode='fill', fill_value=0.0)
+  # Without padding every offset is in the leaf: no bounds to check.
+  bounds = ({'mode': 'promise_in_bounds'} if layout.padded == layout.size
+            else {'mode': 'fill', 'fill_value': 0.0})
+  return x.reshape(-1).at[_flat_index(layout, offsets)].get(**bounds)
 
 
 def set_at(x: jax.Array, layout: LeafLayout, offsets: jax.Array,
