@@ -11,14 +11,56 @@ reaches them; the loop waits for a program only if it arrives before its
 compile has finished, and that wait is not counted in the step times
 (`take_waited`). The programs are the same: the numbers are bit for bit
 those of compiling them all first.
+
+`compile_cache` points JAX's persistent compilation cache at the run's
+`compile_cache` directory, so that a restart loads its programs instead of
+compiling them again (docs/benchmarks.md, "Time to the first step").
 """
 
 import concurrent.futures
+import contextlib
+import os
 import time
 from typing import Callable, Optional
 
+import jax
+from jax.experimental.compilation_cache import compilation_cache as cc
+
 from scape_jax import analysis
+from scape_jax.train.config import Config, ConfigError
 from scape_jax.train.program import Program, program_key
+
+
+@contextlib.contextmanager
+def compile_cache(cfg: Config):
+  """Context manager: JAX's persistent compilation cache in the run's
+  directory (`cfg.compile_cache`) while it is open, the previous setting
+  afterwards. Yields the directory in use.
+
+  JAX keys each entry by the program, the compiler and its flags, and the
+  devices; only process 0 writes, and an entry that cannot be read is
+  compiled again (with a warning).
+
+  Raises:
+    ConfigError: the path exists and is not a directory.
+  """
+  previous = jax.config.jax_compilation_cache_dir
+  if cfg.compile_cache == 'auto' and previous:
+    yield previous  # the process's own (JAX_COMPILATION_CACHE_DIR)
+    return
+  name = 'xla_cache' if cfg.compile_cache == 'auto' else cfg.compile_cache
+  path = os.path.join(cfg.out_dir, os.path.expanduser(name))
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ConfigError(
+        f'compile_cache={cfg.compile_cache!r}: {path} is not a directory; '
+        "give a directory for JAX's compilation cache, or 'auto'.")
+  cc.set_cache_dir(path)
+  cc.reset_cache()  # JAX opens its cache once, at the first compile
+  try:
+    yield path
+  finally:
+    cc.set_cache_dir(previous)
+    cc.reset_cache()
 
 
 class StepPrograms:
@@ -29,8 +71,9 @@ class StepPrograms:
   not advance (`guard.InFlightSteps.updates_before`).
   """
 
-  def __init__(self, program: Program):
+  def __init__(self, program: Program, cache_dir: Optional[str] = None):
     self._program = program
+    self._cache_dir = cache_dir  # named in `start`'s line
     self._futures = {}
     self._pool = concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix='compile')
@@ -86,9 +129,11 @@ class StepPrograms:
     if say:
       rest = (f', then {len(firsts) - 1} more in the background while it '
               'trains' if len(firsts) > 1 else '')
+      cache = (f'; compile cache {self._cache_dir}' if self._cache_dir
+               else '')
       say(f'compiling the train step: {len(firsts)} program'
           f'{"s" if len(firsts) > 1 else ""} ({_keys(self, firsts)}), the '
-          f'first now{rest}')
+          f'first now{rest}{cache}')
     for count in firsts:
       self.submit(count)
     self.submit(firsts[0]).result()

@@ -148,6 +148,11 @@ class Config:
   # (params and state unchanged); this many in a row stop the run.
   max_bad_steps: int = 10
   out_dir: str = 'runs/default'  # Checkpoints, metrics and plots.
+  # The directory of JAX's persistent compilation cache, from which a restart
+  # loads its compiled programs: relative to out_dir unless absolute (then
+  # runs may share it). 'auto': JAX's own if one is set
+  # (JAX_COMPILATION_CACHE_DIR), else out_dir/xla_cache.
+  compile_cache: str = 'auto'
   # A device's peak FLOP/s in TFLOP/s, for the MFU the run reports; 0: from
   # the device kind (train/flops.py), none where it is not known (CPU).
   peak_tflops: float = 0.0
@@ -458,6 +463,8 @@ def _problems(cfg: Config) -> list[str]:
       # (the model's init key is 32 bits: 2**32 would repeat seed 0's)
       (0 <= cfg.seed < 2**32, f'seed must be in [0, 2**32), got {cfg.seed}'),
       (cfg.log_every > 0, f'log_every must be > 0, got {cfg.log_every}'),
+      (bool(cfg.compile_cache), "compile_cache must be 'auto' or a "
+       "directory, got ''"),
       (cfg.peak_tflops >= 0,
        f'peak_tflops must be >= 0 (0: from the device kind), got '
        f'{cfg.peak_tflops}'),

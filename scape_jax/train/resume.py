@@ -42,7 +42,8 @@ from scape_jax.train.checkpoint import CorruptCheckpointError
 # before and after a change would not compare; it needs the flag.)
 RESUME_SAFE_KEYS = ('log_every', 'eval_every', 'ckpt_every',
                     'keep_checkpoints', 'peak_tflops',
-                    'max_bad_steps', 'out_dir', 'data.data_dir', 'model.remat',
+                    'max_bad_steps', 'out_dir', 'compile_cache',
+                    'data.data_dir', 'model.remat',
                     # Where SCAPE's state lives, and its layout (converted on
                     # restore; the numbers are the same up to rounding).
                     'optimizer.scape.offload', 'optimizer.scape.offload_kind',

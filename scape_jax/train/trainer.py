@@ -34,7 +34,7 @@ from scape_jax.train.checkpoint import Checkpointer
 from scape_jax.train.metrics import MetricsLogger, Progress, plot_loss
 from scape_jax.train import flops as flops_lib
 from scape_jax.train import program as program_lib
-from scape_jax.train.compiled import StepPrograms
+from scape_jax.train.compiled import StepPrograms, compile_cache
 from scape_jax.train.program import Program, build_program
 
 
@@ -383,11 +383,12 @@ def train(cfg: config_lib.Config, devices=None, *,
   with outdir.RunLock(cfg.out_dir, hold=jax.process_index() == 0) as lock:
     agreement.together(lock.acquire, 'locking out_dir',
                        config_lib.ConfigError, catch=(outdir.OutputError,))
-    return _train(cfg, devices, allow_config_change)
+    with compile_cache(cfg) as cache_dir:
+      return _train(cfg, devices, allow_config_change, cache_dir)
 
 
-def _train(cfg: config_lib.Config, devices,
-           allow_config_change: bool) -> dict:
+def _train(cfg: config_lib.Config, devices, allow_config_change: bool,
+           cache_dir: Optional[str]) -> dict:
   """`train` once out_dir is checked and locked."""
   program = build_program(cfg, devices)
   agreement.nodes_are_hosts(program.mesh, cfg.mesh.nodes)
@@ -404,7 +405,7 @@ def _train(cfg: config_lib.Config, devices,
   reporter = _Reporter(cfg, program, start, updates)
   if start and leader:
     print(f'resumed from {cfg.out_dir}/ckpt step {start}')
-  programs = StepPrograms(program)
+  programs = StepPrograms(program, cache_dir)
   if leader:
     print(banner.banner(cfg, program), flush=True)
   compile_s = programs.start(updates, cfg.steps, say=(
