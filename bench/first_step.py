@@ -1,13 +1,19 @@
 """Time to the first step: SCAPE against AdamS, side by side in one run.
 
-Two measurements, each a `train.py` process per method, the methods in turn
+Three measurements, each a process per method, the methods in turn
 (`--repeats` rounds), so that both see the same machine:
 
 * the demo (configs/shakespeare_llama_tiny.py, 8 simulated CPU devices):
   seconds from the process's start to its first train step's metrics line
   (`log_every=1`, 60 steps: past the density warmup, so every program the
   demo compiles is counted), and the trainer's own `first_program_s` (the
-  compile of the first step's program, from metrics.jsonl);
+  compile of the first step's program, from metrics.jsonl); then a restart
+  of the same run from its step-30 checkpoint, which reads its programs
+  from the run's compile cache (out_dir/xla_cache): its seconds to its
+  first step;
+* llama500m's program before step 1 (the first of the density warmup),
+  traced, lowered and compiled from abstract shapes on 32 simulated CPU
+  devices: what a real run compiles before its first step;
 * the llama500m dry run (`--dry-run`, which compiles the steady-state step
   from abstract shapes): the process's wall time.
 
@@ -19,6 +25,7 @@ Writes docs/bench/first_step.{json,md}.
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -43,19 +50,59 @@ def _train(args: list, env: dict) -> float:
 
 
 def demo_first_step(overrides: list) -> dict:
-  """The demo's seconds to its first step, and its first program's compile."""
+  """The demo's seconds to its first step, its first program's compile, and
+  a restart's seconds to its first step."""
+  args = ['--config', 'configs/shakespeare_llama_tiny.py', *overrides,
+          '--config.steps=60', '--config.log_every=1',
+          '--config.eval_every=0', '--config.ckpt_every=30']
   with tempfile.TemporaryDirectory() as out_dir:
+    args.append(f'--config.out_dir={out_dir}')
     start = time.time()
-    _train(['--config', 'configs/shakespeare_llama_tiny.py', *overrides,
-            '--config.steps=60', '--config.log_every=1',
-            '--config.eval_every=0', f'--config.out_dir={out_dir}'], CPU8)
-    with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
-      rows = [json.loads(line) for line in f if line.strip()]
+    _train(args, CPU8)
+    rows = _rows(out_dir)
+    shutil.rmtree(os.path.join(out_dir, 'ckpt', '60'))  # as if preempted
+    restart = time.time()
+    _train(args, CPU8)
+    again = next(r for r in _rows(out_dir)
+                 if r['split'] == 'train' and r['step'] == 31)
   first = next(r for r in rows if r['split'] == 'train')
   compile_row = next(r for r in rows if r['split'] == 'compile')
   return {'to_first_step_s': first['wall_time'] - start,
           'first_program_s': compile_row['first_program_s'],
-          'programs': compile_row['programs']}
+          'programs': compile_row['programs'],
+          'restart_to_first_step_s': again['wall_time'] - restart}
+
+
+def _rows(out_dir: str) -> list:
+  with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def first_program(overrides: list) -> dict:
+  """llama500m's program before step 1, compiled from abstract shapes in a
+  fresh process (`_compile_first`): its seconds."""
+  out = subprocess.run(
+      [sys.executable, os.path.abspath(__file__), '--compile-first',
+       *overrides], check=True, cwd=ROOT, capture_output=True, text=True,
+      env=dict(os.environ, JAX_PLATFORMS='cpu',
+               XLA_FLAGS='--xla_force_host_platform_device_count=32'))
+  return {'first_program_500m_s': float(out.stdout.split()[-1])}
+
+
+def _compile_first(overrides: list) -> None:
+  """Prints the seconds to trace, lower and compile llama500m's first
+  program (the trainer's `Program.compile_step(0)`)."""
+  sys.path.insert(0, ROOT)
+  import jax  # pylint: disable=g-import-not-at-top
+  from scape_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  from scape_jax.train import program as program_lib  # pylint: disable=g-import-not-at-top
+  cfg = config_lib.load(os.path.join(ROOT, 'configs', 'llama500m.py'),
+                        overrides)
+  program = program_lib.build_program(
+      cfg, jax.devices()[:program_lib.required_devices(cfg)])
+  t = time.perf_counter()
+  program.compile_step(0)
+  print(time.perf_counter() - t)
 
 
 def dry_run(overrides: list) -> dict:
@@ -69,9 +116,13 @@ def _table(results: dict, repeats: int) -> str:
            'Medians of the rounds; the methods ran in turn.', '',
            '| measurement | AdamS (s) | SCAPE (s) | SCAPE / AdamS |',
            '|---|---|---|---|']
-  for name, key in (('demo: start to first step', 'to_first_step_s'),
-                    ('demo: first program\'s compile', 'first_program_s'),
-                    ('llama500m --dry-run', 'wall_s')):
+  for name, key in (
+      ('demo: start to first step', 'to_first_step_s'),
+      ('demo: first program\'s compile', 'first_program_s'),
+      ('demo: restart to first step (compile cache)',
+       'restart_to_first_step_s'),
+      ('llama500m: the program before step 1', 'first_program_500m_s'),
+      ('llama500m --dry-run (the steady-state program)', 'wall_s')):
     got = {m: [r[key] for r in results[m] if key in r] for m in METHODS}
     if not all(got.values()):
       continue
@@ -89,7 +140,10 @@ def main():
   parser.add_argument('--repeats', type=int, default=2,
                       help='rounds of each method (default 2)')
   parser.add_argument('--skip-dry-run', action='store_true',
-                      help='only the demo (the dry run takes minutes)')
+                      help='only the demo (llama500m takes minutes)')
+  if sys.argv[1:2] == ['--compile-first']:  # the child of first_program
+    _compile_first(sys.argv[2:])
+    return
   args = parser.parse_args()
   if args.repeats < 1:
     parser.error(f'--repeats={args.repeats}: must be >= 1')
@@ -98,6 +152,7 @@ def main():
     for method, overrides in METHODS.items():
       row = demo_first_step(overrides)
       if not args.skip_dry_run:
+        row.update(first_program(overrides))
         row.update(dry_run(overrides))
       results[method].append(row)
       print(method, row, flush=True)
