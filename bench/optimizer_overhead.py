@@ -29,7 +29,10 @@ alone). Each selection is timed like the updates, `--repeats` samples of
 `--number` calls, in turn with adamw's update in its own loop, and the ratio
 is of the two medians of that loop. It reports every compiled update's
 `memory_analysis().temp_size_in_bytes` (also in units of the fp32 tree),
-and for SCAPE that of the same update with select='sort' beside it.
+and for SCAPE that of the same update with select='sort' beside it; and its
+`cost_analysis()` 'bytes accessed' in units of the fp32 tree, the passes
+over memory (XLA counts a while loop's body once: the search's passes are
+counted as one).
 
   python bench/optimizer_overhead.py                 # llama-tiny + ~100M tree
   python bench/optimizer_overhead.py --trees llama-tiny --repeats 21
@@ -237,6 +240,7 @@ class Prepared(NamedTuple):
   compile_s: float
   temp_bytes: int
   donated: bool = False
+  accessed_bytes: Optional[float] = None
 
 
 def prepare(method: Method, params, grads, donate: bool = False) -> Prepared:
@@ -255,7 +259,16 @@ def prepare(method: Method, params, grads, donate: bool = False) -> Prepared:
   compile_s = time.perf_counter() - t0
   if compile_s < 5:  # A second warm-up call where it is cheap.
     state = _call(fn, state, grads, params, donate)
-  return Prepared(fn, state, compile_s, temps, donate)
+  return Prepared(fn, state, compile_s, temps, donate, accessed_bytes(fn))
+
+
+def accessed_bytes(compiled) -> Optional[float]:
+  """The compiled program's `cost_analysis()` 'bytes accessed' (None where
+  the backend gives none)."""
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):  # one dict per program, on some jax
+    cost = cost[0] if cost else None
+  return None if not cost else cost.get('bytes accessed')
 
 
 def _call(fn, state, grads, params, donated: bool):
@@ -336,6 +349,7 @@ def bench_tree(name: str, densities, repeats=None, number=None,
         'number': number,
         'state_bytes': nbytes(state), 'temp_bytes': temps,
         'temp_vs_fp32_tree': temps / (4 * n_params), 'temp_bytes_sort': None,
+        'accessed_bytes': p.accessed_bytes,
         'compile_s': compile_s, 'select_N32_adamw_ms': None,
         'select_N32_vs_adamw': None}
     row.update({f'{how}_ms_N{n}': None for how in SELECTIONS for n in (1, 32)})
@@ -363,6 +377,8 @@ def print_row(r: dict) -> None:
   alone = ''.join(f'  {how} N={n}: {r[f"{how}_ms_N{n}"]:.3f} ms'
                   for how in SELECTIONS for n in (1, 32)
                   if r[f'{how}_ms_N{n}'] is not None)
+  accessed = ('' if r['accessed_bytes'] is None else
+              f'  accessed {r["accessed_bytes"] / 2**20:.1f} MiB')
   sort = ('' if r['temp_bytes_sort'] is None else
           f' (select=sort: {r["temp_bytes_sort"] / 2**20:.1f} MiB)')
   print(f'  {r["tree"]:>10} {r["method"]:<22} median {r["median_ms"]:10.3f} '
@@ -370,7 +386,8 @@ def print_row(r: dict) -> None:
         f'x{r["ratio_vs_adamw"]:.2f} vs adamw (fastest: '
         f'x{r["min_ratio_vs_adamw"]:.2f})  state '
         f'{r["state_bytes"] / 2**20:.1f} MiB  temp '
-        f'{r["temp_bytes"] / 2**20:.1f} MiB{sort}{alone}', flush=True)
+        f'{r["temp_bytes"] / 2**20:.1f} MiB{sort}{accessed}{alone}',
+        flush=True)
 
 
 def markdown(rows) -> str:
@@ -378,9 +395,10 @@ def markdown(rows) -> str:
            'fastest ms | fastest vs fastest adamw | '
            'optimizer state MiB | update temporaries MiB (x fp32 tree) | '
            "same, select='sort' MiB (x fp32 tree) | "
+           'bytes accessed (x fp32 tree) | '
            'top-k alone, N=1 ms | top-k alone, one of N=32 workers ms | '
            'select alone, N=1 ms | select alone, one of N=32 workers ms | '
-           'select, one of N=32, vs adamw update |', '|' + '---|' * 16]
+           'select, one of N=32, vs adamw update |', '|' + '---|' * 17]
 
   def ms(x):
     return '-' if x is None else f'{x:.3f}'
@@ -397,6 +415,7 @@ def markdown(rows) -> str:
         f'{r["ratio_vs_adamw"]:.2f}x | {r["min_ms"]:.3f} | '
         f'{r["min_ratio_vs_adamw"]:.2f}x | {r["state_bytes"] / 2**20:.1f} | '
         f'{mib(r["temp_bytes"], r)} | {mib(r["temp_bytes_sort"], r)} | '
+        f'{mib(r["accessed_bytes"], r)} | '
         f'{ms(r["topk_ms_N1"])} | {ms(r["topk_ms_N32"])} | '
         f'{ms(r["select_ms_N1"])} | {ms(r["select_ms_N32"])} | '
         f'{"-" if ratio is None else f"{ratio:.2f}x"} |')

@@ -42,6 +42,10 @@ def test_quick_run_has_every_column(tmp_path):
   assert sparse['select_N32_vs_adamw'] == pytest.approx(
       sparse['select_ms_N32'] / beside)
   assert sparse['temp_bytes'] > 0 and sparse['temp_bytes_sort'] > 0
+  # Bytes accessed: adamw reads g, m, v and the params and writes m, v and
+  # the update, at least (a fusion may read an operand twice).
+  assert by['optax.adamw']['accessed_bytes'] >= 7 * 4 * params
+  assert sparse['accessed_bytes'] > by['adams']['accessed_bytes']
   assert by['scape d=1']['topk_ms_N1'] is None  # nothing is selected
   assert by['scape d=1']['temp_bytes_sort'] is None
   assert out['meta']['command'].endswith(' '.join(argv))
