@@ -31,8 +31,9 @@ is of the two medians of that loop. It reports every compiled update's
 `memory_analysis().temp_size_in_bytes` (also in units of the fp32 tree),
 and for SCAPE that of the same update with select='sort' beside it; and its
 `cost_analysis()` 'bytes accessed' in units of the fp32 tree, the passes
-over memory (XLA counts a while loop's body once: the search's passes are
-counted as one).
+over memory as XLA counts them: a while loop's body once (the search's
+passes count as one), a scatter as a read and a write of its whole operand
+(in place it touches only the entries it sets).
 
   python bench/optimizer_overhead.py                 # llama-tiny + ~100M tree
   python bench/optimizer_overhead.py --trees llama-tiny --repeats 21
