@@ -9,6 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import scape_jax
+from scape_jax import analysis
 from scape_jax.comm import masks
 from scape_jax.optim import _norms
 from tests.mesh_runner import MeshRunner, assert_same_states, make_mesh
@@ -409,3 +410,25 @@ def test_a_dense_step_before_a_dense_one_compiles_no_mask_search():
   with pytest.raises(ValueError, match='next_dense=True with density_level=1'):
     single.update(params, single.init(params), params, density_level=1,
                   next_dense=True)
+
+
+def test_a_dense_step_averages_the_leaves_as_they_are():
+  """Where every leaf is dense (level 0), the payload all-reduce averages
+  the leaves as they are (XLA combines them), the tree's elements and no
+  more, with no buffer as large as the tree that they were copied into. A
+  sparse level sends one buffer: one all-reduce."""
+  params = _params(0, {'w': (256, 64), 'v': (64, 32), 'b': (64,)})
+  total = sum(np.size(p) for p in params.values())
+  schedule = scape_jax.DensitySchedule(0.1, 50)
+  run = MeshRunner(scape_jax.scape(1e-2, density=schedule), params, 4,
+                   static_name='density_level')
+  for level in (0, len(schedule.levels) - 1):
+    hlo = run.compiled(level).lower(
+        run.params, run.state, run.abstract_grads(params)).compile().as_text()
+    sums = [c for c in analysis.collectives_from_hlo(hlo)
+            if c.kind == 'all-reduce']
+    if level == 0:
+      assert sum(c.elements for c in sums) == total
+      assert f'f32[{total}]' not in hlo
+    else:
+      assert len(sums) == 1 and sums[0].elements < total
