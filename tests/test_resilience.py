@@ -9,7 +9,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import warnings
 
 import jax
@@ -583,52 +582,3 @@ def test_a_checkpoint_of_another_mesh_says_so(corpus, tmp_path, capsys):
         r"this run has \{.*'data': 4.*\}")):
       trainer.train(later, jax.devices()[:4], allow_config_change=True)
 
-
-def test_a_restart_loads_its_programs_from_the_compile_cache(corpus,
-                                                             tmp_path):
-  """The first start writes the train step's programs into the run's
-  compile cache; a restart reads them from there (JAX's cache-hit events)
-  and trains the numbers of a run that compiles them (an empty cache). The
-  process's own cache (conftest's) is back after each run."""
-  hits = []
-
-  def listen(event, **_):
-    if event == '/jax/compilation_cache/cache_hits':
-      hits.append(event)
-
-  method = ('--config.optimizer.name=scape',
-            '--config.optimizer.scape.density=0.1', '--config.steps=4',
-            '--config.compile_cache=xla_cache')
-  own = jax.config.jax_compilation_cache_dir
-  min_time = jax.config.jax_persistent_cache_min_compile_time_secs
-  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
-  jax.monitoring.register_event_listener(listen)
-  try:
-    compiled = trainer.train(_cfg(corpus, tmp_path / 'fresh', *method))
-    assert not hits
-    out = tmp_path / 'run'
-    trainer.train(_cfg(corpus, out, *method, '--config.ckpt_every=2'))
-    assert any(name.startswith('jit_local_step')
-               for name in os.listdir(out / 'xla_cache'))
-    assert jax.config.jax_compilation_cache_dir == own
-    shutil.rmtree(out / 'ckpt' / '4')  # preempted after step 2's save
-    hits.clear()
-    resumed = trainer.train(_cfg(corpus, out, *method,
-                                 '--config.ckpt_every=2'))
-  finally:
-    jax.monitoring.unregister_event_listener(listen)
-    jax.config.update('jax_persistent_cache_min_compile_time_secs', min_time)
-  assert resumed['start_step'] == 2 and hits
-  assert [r['loss'] for r in _train_records(out)] == compiled['losses']
-  assert jax.config.jax_compilation_cache_dir == own
-
-
-def test_a_compile_cache_that_is_a_file_is_a_config_error(corpus, tmp_path):
-  (tmp_path / 'cache').write_text('not a directory')
-  with pytest.raises(config_lib.ConfigError, match=(
-      r"compile_cache='cache': .*/cache is not a directory; give a directory "
-      r"for JAX's compilation cache, or 'auto'")):
-    trainer.train(_cfg(corpus, tmp_path, '--config.compile_cache=cache'))
-  with pytest.raises(config_lib.ConfigError, match=(
-      "compile_cache must be 'auto' or a directory, got ''")):
-    _cfg(corpus, tmp_path, '--config.compile_cache=')

@@ -33,6 +33,7 @@ MODULE_TIERS = {
     'test_checkpoint': UNIT,
     'test_cli': SYSTEM,
     'test_comm': UNIT,
+    'test_compile_cache': INTEGRATION,
     'test_composition': UNIT,
     'test_config': UNIT,
     'test_cost': UNIT,
