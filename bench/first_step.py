@@ -39,11 +39,19 @@ CPU8 = {'JAX_PLATFORMS': 'cpu',
         'XLA_FLAGS': '--xla_force_host_platform_device_count=8'}
 
 
+def _env(**extra) -> dict:
+  """The processes' environment: no compile cache of the caller's (every
+  measurement but the restart compiles), and `extra`."""
+  env = {k: v for k, v in os.environ.items()
+         if k != 'JAX_COMPILATION_CACHE_DIR'}
+  return dict(env, **extra)
+
+
 def _train(args: list, env: dict) -> float:
   """Runs train.py; returns its wall time in seconds."""
   t = time.time()
   subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), *args],
-                 check=True, cwd=ROOT, env=dict(os.environ, **env),
+                 check=True, cwd=ROOT, env=_env(**env),
                  stdout=subprocess.DEVNULL)
   return time.time() - t
 
@@ -82,7 +90,7 @@ def first_program(overrides: list) -> dict:
   out = subprocess.run(
       [sys.executable, os.path.abspath(__file__), '--compile-first',
        *overrides], check=True, cwd=ROOT, capture_output=True, text=True,
-      env=dict(os.environ, JAX_PLATFORMS='cpu',
+      env=_env(JAX_PLATFORMS='cpu',
                XLA_FLAGS='--xla_force_host_platform_device_count=32'))
   return {'first_program_500m_s': float(out.stdout.split()[-1])}
 
@@ -135,14 +143,14 @@ def _table(results: dict, repeats: int) -> str:
 
 
 def main():
+  if sys.argv[1:2] == ['--compile-first']:  # the child of first_program
+    _compile_first(sys.argv[2:])
+    return
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--repeats', type=int, default=2,
                       help='rounds of each method (default 2)')
   parser.add_argument('--skip-dry-run', action='store_true',
                       help='only the demo (llama500m takes minutes)')
-  if sys.argv[1:2] == ['--compile-first']:  # the child of first_program
-    _compile_first(sys.argv[2:])
-    return
   args = parser.parse_args()
   if args.repeats < 1:
     parser.error(f'--repeats={args.repeats}: must be >= 1')
