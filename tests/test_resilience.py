@@ -581,4 +581,3 @@ def test_a_checkpoint_of_another_mesh_says_so(corpus, tmp_path, capsys):
         r"ckpt/2 was saved on a mesh of \{.*'data': 8.*\} devices per axis; "
         r"this run has \{.*'data': 4.*\}")):
       trainer.train(later, jax.devices()[:4], allow_config_change=True)
-
