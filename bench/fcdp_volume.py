@@ -112,7 +112,7 @@ def measure(cfg) -> dict:
   program = trainer.build_program(cfg)
   t0 = time.perf_counter()
   traced = program.trace_step(cfg.steps)
-  compiled = program.compile_step(cfg.steps, traced)
+  compiled = program.compile_step(cfg.steps, traced, run=False)
   seconds = time.perf_counter() - t0
   cols = analysis.collectives_from_hlo(compiled.as_text())
   shape = list(program.mesh.shape.items())

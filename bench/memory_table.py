@@ -100,7 +100,7 @@ def measure(cfg, compile_step: bool) -> dict:
   if compile_step:
     t0 = time.perf_counter()
     traced = program.trace_step(cfg.steps)
-    compiled = program.compile_step(cfg.steps, traced)
+    compiled = program.compile_step(cfg.steps, traced, run=False)
     row['compile_s'] = time.perf_counter() - t0
     row['compiled'] = program_lib.memory_report(program, traced, compiled)
   return row

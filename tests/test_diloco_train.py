@@ -165,7 +165,7 @@ def test_bytes_of_the_inner_sync_and_lazy_programs():
   phases = {program.method.update_kwargs(s)['phase']: s for s in range(20)}
   assert set(phases) == {'lazy', 'switch', 'inner', 'sync'}  # L = 2 < r
   cols = {p: analysis.collectives_from_hlo(
-      program.compile_step(s).as_text()) for p, s in phases.items()
+      program.compile_step(s, run=False).as_text()) for p, s in phases.items()
           if p != 'switch'}
   # Inner: the dense exchange within the group of 4; nothing over groups.
   assert params <= _reduced(cols['inner'], 4) <= params + 3

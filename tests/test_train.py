@@ -7,6 +7,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from jax.experimental import serialize_executable
 
 import scape_jax
 from scape_jax import analysis
@@ -83,7 +84,8 @@ def test_train_step_bytes_on_the_wire(corpus, tmp_path):
   cfg = _cfg(corpus, tmp_path, '--config.optimizer.name=scape',
              f'--config.optimizer.scape.density={density}', '--config.steps=10')
   program = trainer.build_program(cfg)
-  cols = analysis.collectives_from_hlo(program.compile_step(5).as_text())
+  cols = analysis.collectives_from_hlo(
+      program.compile_step(5, run=False).as_text())
   leaves = jax.tree.leaves(program.abstract_params)
   selected, dense, words = 0, 0, 0
   for p in leaves:
@@ -116,7 +118,8 @@ def test_dense_leaves_are_reduced_whole(corpus, tmp_path):
         corpus, tmp_path, '--config.optimizer.name=scape',
         f'--config.optimizer.scape.density={density}', '--config.steps=10',
         *overrides))
-    cols = analysis.collectives_from_hlo(program.compile_step(5).as_text())
+    cols = analysis.collectives_from_hlo(
+        program.compile_step(5, run=False).as_text())
     return program, sum(c.elements for c in cols if c.kind == 'all-reduce')
 
   program, base = reduced()
@@ -160,8 +163,9 @@ def test_interleaved_leaves_reorder_the_named_leaf_on_the_same_wire(
         if _is_scape(s)).mu
 
   def collectives(prog):
-    return [(c.kind, c.elements) for c in
-            analysis.collectives_from_hlo(prog.compile_step(5).as_text())]
+    text = prog.compile_step(5, run=False).as_text()
+    return [(c.kind, c.elements)
+            for c in analysis.collectives_from_hlo(text)]
 
   key = '--config.optimizer.scape.interleaved_leaves='
   plain, dealt = program(), program(key + 'embed_tokens')
@@ -189,7 +193,8 @@ def _is_scape(x):
 
 def test_dense_train_step_reduces_every_parameter(corpus, tmp_path):
   program = trainer.build_program(_cfg(corpus, tmp_path, '--config.steps=2'))
-  cols = analysis.collectives_from_hlo(program.compile_step(1).as_text())
+  cols = analysis.collectives_from_hlo(
+      program.compile_step(1, run=False).as_text())
   params = trainer.param_count(program)
   reduced = sum(c.elements for c in cols if c.kind == 'all-reduce')
   assert params <= reduced <= params + 8
@@ -225,6 +230,32 @@ def test_dry_run_reports_the_program_most_steps_run(corpus, tmp_path):
   assert reports[0]['comm_bytes_per_step'] == reports[1][
       'comm_bytes_per_step']
   assert reports[1]['steady_steps'] == 100 - 19 - 9  # dense 1-19, 9 resamples
+
+
+def test_a_program_compiled_to_be_read_is_the_program_a_run_compiles(
+    corpus, tmp_path):
+  """`compile_step(run=False)` (the dry run's, the benches' tables): on CPU
+  devices without LLVM's optimizations (other machine code), the same HLO,
+  buffers and collectives as the program a run compiles."""
+  cfg = _cfg(corpus, tmp_path, '--config.optimizer.name=scape',
+             '--config.optimizer.scape.density=0.1')
+  program = trainer.build_program(cfg)
+  traced = program.trace_step(5)
+
+  def read(compiled):
+    mem = compiled.memory_analysis()
+    text = compiled.as_text()  # instructions, not the source tables
+    return (analysis.collectives_from_hlo(text),
+            [line.split(', metadata=')[0] for line in text.splitlines()
+             if line.lstrip().startswith(('%', 'ROOT', 'ENTRY'))],
+            mem.temp_size_in_bytes, mem.argument_size_in_bytes,
+            mem.output_size_in_bytes, mem.alias_size_in_bytes)
+
+  run, read_only = (program.compile_step(5, traced, run=r)
+                    for r in (True, False))
+  assert read(read_only) == read(run)
+  code = [serialize_executable.serialize(c)[0] for c in (run, read_only)]
+  assert code[0] != code[1]
 
 
 @pytest.mark.parametrize('override, message', [

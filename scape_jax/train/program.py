@@ -25,6 +25,9 @@ from scape_jax.train import methods
 from scape_jax.train import step as step_lib
 from scape_jax.train.config import Config, ConfigError
 
+# XLA options of a CPU program compiled only to be read (`compile_step`).
+_READ_ONLY_CPU_OPTIONS = {'xla_backend_optimization_level': 0}
+
 
 @dataclasses.dataclass
 class Program:
@@ -102,14 +105,23 @@ class Program:
     return fn.trace(self.abstract_params, self.abstract_opt,
                     self.abstract_batch())
 
-  def compile_step(self, step: int, traced=None):
+  def compile_step(self, step: int, traced=None, *, run: bool = True):
     """The compiled train step for the static arguments in force at `step`
-    (from `traced`, its `trace_step`, if given)."""
-    options = None
+    (from `traced`, its `trace_step`, if given).
+
+    `run=False`: the program is compiled only to be read (its memory, HLO and
+    collectives: `dry_run`, the benches' tables), never run; on CPU devices
+    XLA then skips its backend's (LLVM's) optimizations, which change how
+    fast the program runs but not its HLO, buffers or collectives.
+    """
+    device = self.mesh.devices.flat[0]
+    options = {}
     if self.layout.per_unit:
-      options = sharding.fcdp.compiler_options(self.mesh.devices.flat[0])
+      options.update(sharding.fcdp.compiler_options(device) or {})
+    if not run and device.platform == 'cpu':
+      options.update(_READ_ONLY_CPU_OPTIONS)
     traced = traced or self.trace_step(step)
-    return traced.lower().compile(compiler_options=options)
+    return traced.lower().compile(compiler_options=options or None)
 
 
 def _check_batch(cfg: Config, layout: sharding.Layout) -> None:
@@ -471,7 +483,7 @@ def dry_run(cfg: Config, devices=None) -> dict:
   print_notes(program)
   count, static, runs = steady_count(program)
   traced = program.trace_step(count)
-  compiled = program.compile_step(count, traced)
+  compiled = program.compile_step(count, traced, run=False)
   cols = analysis.collectives_from_hlo(compiled.as_text())
   report = {
       'preset': model_name(cfg),
