@@ -8,8 +8,10 @@
 # 1. bench/optimizer_overhead.py on the llama-100m tree at d = 0.1 and 0.01:
 #    adamw, AdamS, SCAPE with 'auto' (on cuda: 'pallas_radix') and each of
 #    SELECTS (default 'sort'), and SCAPE's local-Adam mode;
-# 2. tests/test_gpu.py (the Pallas kernels against their references).
-# OUT (default runs/gpu) gets the table, each step's log and gpu_checks.tgz.
+# 2. tests/test_gpu.py (the Pallas kernels against their references);
+# 3. bench/first_step.py --device: llama500m's program before step 1,
+#    SCAPE's and AdamS's compile on the GPU.
+# OUT (default runs/gpu) gets the tables, each step's log and gpu_checks.tgz.
 set -u
 out=${1:-${OUT:-runs/gpu}}
 selects=${SELECTS:-sort}
@@ -39,7 +41,9 @@ run 300 overhead env JAX_PLATFORMS=cuda python3 bench/optimizer_overhead.py \
 run 150 test_gpu env JAX_PLATFORMS=cuda,cpu \
   XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n 4 \
   -p no:cacheprovider tests/test_gpu.py
-cp "$work"/optimizer_overhead.{md,json} "$work/test_gpu.log" "$out/" \
-  2>/dev/null
+run 150 first_step env JAX_PLATFORMS=cuda python3 bench/first_step.py \
+  --device --repeats 1 --out "$work"
+cp "$work"/optimizer_overhead.{md,json} "$work"/first_step_device.{md,json} \
+  "$work/test_gpu.log" "$out/" 2>/dev/null
 tar czf "$out/gpu_checks.tgz" -C "$work" .
 echo "== done in $(($(date +%s) - start)) s"
