@@ -95,30 +95,30 @@ def _rows(out_dir: str) -> list:
 
 def first_program(overrides: list) -> dict:
   """llama500m's program before step 1, compiled from abstract shapes in a
-  fresh process on 32 simulated CPU devices (`_compile`): its seconds."""
+  fresh process on 32 simulated CPU devices (`_compile_first`): its
+  seconds."""
   return {'first_program_500m_s': _compile_in_child(
-      'first', overrides, JAX_PLATFORMS='cpu',
+      overrides, JAX_PLATFORMS='cpu',
       XLA_FLAGS='--xla_force_host_platform_device_count=32')}
 
 
 def device_first_program(overrides: list) -> dict:
   """llama500m's program before step 1 on the first device of the default
   backend, in a fresh process."""
-  return {'device_first_s': _compile_in_child('first', overrides + DEVICE)}
+  return {'device_first_s': _compile_in_child(overrides + DEVICE)}
 
 
-def _compile_in_child(which: str, overrides: list, **env) -> float:
+def _compile_in_child(overrides: list, **env) -> float:
   out = subprocess.run(
-      [sys.executable, os.path.abspath(__file__), '--compile', which,
+      [sys.executable, os.path.abspath(__file__), '--compile-first',
        *overrides], check=True, cwd=ROOT, capture_output=True, text=True,
       env=_env(**env))
   return float(out.stdout.split()[-1])
 
 
-def _compile(which: str, overrides: list) -> None:
-  """Prints the seconds to trace, lower and compile llama500m's program
-  before step 1 (`which='first'`, the trainer's `Program.compile_step(0)`)
-  or its steady-state program (`'steady'`, `program.steady_count`)."""
+def _compile_first(overrides: list) -> None:
+  """Prints the seconds to trace, lower and compile llama500m's first
+  program (the trainer's `Program.compile_step(0)`)."""
   sys.path.insert(0, ROOT)
   import jax  # pylint: disable=g-import-not-at-top
   from scape_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
@@ -129,9 +129,8 @@ def _compile(which: str, overrides: list) -> None:
                         overrides)
   program = program_lib.build_program(
       cfg, jax.devices()[:program_lib.required_devices(cfg)])
-  count = 0 if which == 'first' else program_lib.steady_count(program)[0]
   t = time.perf_counter()
-  program.compile_step(count)
+  program.compile_step(0)
   print(time.perf_counter() - t)
 
 
@@ -170,8 +169,8 @@ def _table(results: dict, command: str) -> str:
 
 
 def main():
-  if sys.argv[1:2] == ['--compile']:  # the child of _compile_in_child
-    _compile(sys.argv[2], sys.argv[3:])
+  if sys.argv[1:2] == ['--compile-first']:  # the child of _compile_in_child
+    _compile_first(sys.argv[2:])
     return
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--repeats', type=int, default=2,
