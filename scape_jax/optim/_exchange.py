@@ -144,8 +144,7 @@ def exchange_payload(values, plan, global_masks, axis_name) -> list:
 
   Returns the mean over workers split per leaf (compacted for sparse leaves).
   """
-  return mean(payload(values, plan, global_masks), axis_name,
-              one_buffer=any(g is not None for g in global_masks))
+  return mean(payload(values, plan, global_masks), global_masks, axis_name)
 
 
 def payload(values, plan, global_masks) -> list:
@@ -156,17 +155,17 @@ def payload(values, plan, global_masks) -> list:
           for x, layout, g in zip(values, plan.layouts, global_masks)]
 
 
-def mean(parts, axis_name, one_buffer: bool = True) -> list:
+def mean(parts, global_masks, axis_name) -> list:
   """The mean over workers of each leaf's payload, in one all-reduce.
 
-  With `one_buffer=False` (a step where every leaf is dense) the leaves are
+  In a step where every leaf is dense (no `global_masks`) the leaves are
   averaged as they are, as `pmean_gradients` averages AdamW's: XLA combines
   them into as few all-reduces as its combine threshold allows, and with no
   buffer to slice at each leaf's offset, leaves of one shape share their
   kernels (the compile of a run's first, dense program:
   `bench/first_step.py`).
   """
-  if not one_buffer:
+  if all(g is None for g in global_masks):
     return list(parts if axis_name is None else
                 jax.lax.pmean(list(parts), axis_name))
   flat = jnp.concatenate(parts)

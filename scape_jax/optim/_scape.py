@@ -191,10 +191,8 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
   after = [(o,) if keep else () for o, keep in zip(own_mask, stored)]
   if hyper.payload_dtype == 'float32':
     sent = _exchange.payload(moment, plan, global_masks)
-    exchanged = _exchange.mean(
-        sent, hyper.axis_name,
-        one_buffer=any(g is not None for g in global_masks))
-    errors = None
+    exchanged, errors = _exchange.mean(sent, global_masks,
+                                       hyper.axis_name), None
     after = [a + (x,) if keep else a
              for a, x, keep in zip(after, sent, stored)]
   else:  # the errors come from the sent values
