@@ -38,6 +38,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+from scape_jax.train.metrics import read_jsonl  # pylint: disable=g-import-not-at-top,wrong-import-position
 OUT = os.path.join(ROOT, 'docs', 'bench')
 METHODS = {'AdamS': ['--config.optimizer.name=adams'],
            'SCAPE': ['--config.optimizer.name=scape']}
@@ -89,8 +92,7 @@ def demo_first_step(overrides: list) -> dict:
 
 
 def _rows(out_dir: str) -> list:
-  with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  return read_jsonl(os.path.join(out_dir, 'metrics.jsonl'))
 
 
 def first_program(overrides: list) -> dict:
@@ -119,7 +121,6 @@ def _compile_in_child(overrides: list, **env) -> float:
 def _compile_first(overrides: list) -> None:
   """Prints the seconds to trace, lower and compile llama500m's first
   program (the trainer's `Program.compile_step(0)`)."""
-  sys.path.insert(0, ROOT)
   import jax  # pylint: disable=g-import-not-at-top
   from scape_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
   from scape_jax.train import program as program_lib  # pylint: disable=g-import-not-at-top
