@@ -47,6 +47,7 @@ USAGE_ERRORS = [
      'integer >= 0'),
     ('network', ['--workers', '3', '--methods', 'DiLoCo'],
      'do not split into mesh.replica=2'),
+    ('compile_profile', ['--config', '{missing}'], '--config '),
 ]
 
 
