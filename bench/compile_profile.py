@@ -97,8 +97,8 @@ def markdown(rows: list) -> str:
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  p.add_argument('--config', default='configs/shakespeare_llama_tiny.py',
-                 help='the config whose steady program is compiled')
+  p.add_argument('--config', default='shakespeare_llama_tiny',
+                 help="a config file or preset (default: the demo's)")
   p.add_argument('--read-only', action='store_true',
                  help="compile as --dry-run does (`compile_step(run=False)`)")
   p.add_argument('--out', default=None,
@@ -107,7 +107,7 @@ def main(argv=None):
   try:
     cfg = config_lib.load(args.config, [])
   except (config_lib.ConfigError, FileNotFoundError) as e:
-    p.error(f'--config {args.config}: {e}')
+    p.error(str(e))
   out = args.out and cli_types.check_out_dir(p, args.out)
   from scape_jax.train import program as program_lib  # pylint: disable=g-import-not-at-top
   need = program_lib.required_devices(cfg)
