@@ -1,5 +1,7 @@
 """SCAPE (Algorithm 1) against AdamS and an independent NumPy simulation."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -198,6 +200,64 @@ def test_switch_fallback_equals_static_levels():
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+_RANGE_CASES = [
+    ('scape', {}), ('scape', {'mask_encoding': 'indices', 'offset_bits': 16}),
+    ('scape', {'payload_dtype': 'bfloat16'}), ('scape_local_adam', {}),
+    ('scape_dist', {})]
+
+
+@pytest.mark.parametrize('method, wire', _RANGE_CASES)
+def test_the_warmup_levels_share_one_program_of_the_same_numbers(method,
+                                                                 wire):
+  """The trainer's warmup: `density_level=(1, last - 1)` is one program for
+  every sparse level before the last (its buffers sized for level 1, the
+  level traced from the count, the offsets past a level's k repeating its
+  last); the states equal those of each level's own program."""
+  sched = scape_jax.DensitySchedule(0.1, 5)
+  kwargs = [sched.update_kwargs(i) for i in range(8)]
+  assert [k['density_level'] for k in kwargs] == [
+      0, (1, 4), (1, 4), (1, 4), (1, 4), 5, 5, 5]
+  _assert_range_equals_levels(
+      getattr(scape_jax, method)(1e-2, density=sched, **wire), sched, 8,
+      (3, 6))
+
+
+def test_a_range_below_one_32nd_clips_by_the_full_norm():
+  # Level 1 at d = 0.0215 <= 1/32: a level's own program sums the clip's
+  # norm over its N*k values, which the range's repeat: it sums over gbar.
+  sched = scape_jax.DensitySchedule(1e-5, 3)
+  assert sched.levels[1] < 1 / 32 and sched.update_kwargs(1) == {
+      'density_level': (1, 2)}
+  _assert_range_equals_levels(scape_jax.scape(1e-2, density=sched), sched, 5,
+                              (3, 4))
+
+
+def _assert_range_equals_levels(tx, sched, steps, traces):
+  params = _params(0, {'w': (40, 24), 'v': (9, 13), 'b': (24,)})
+  grads = _worker_grads(params, 4, steps)
+  ours, each = Runner(tx, params, 4), Runner(tx, params, 4)
+  for i, g in enumerate(grads):
+    ours.step(g, sched.update_kwargs(i)['density_level'])
+    each.step(g, sched.level(i))
+  assert (ours.traces, each.traces) == traces
+  assert_same_states(jax.tree.leaves((ours.params, ours.state)),
+                     jax.tree.leaves((each.params, each.state)))
+
+
+def test_a_range_of_levels_sends_level_ones_bytes_and_refuses_bad_ranges():
+  params = _params(0, {'w': (64, 40), 'b': (40,)})
+  sched = scape_jax.DensitySchedule(0.1, 5)
+  tx = scape_jax.scape(1e-2, density=sched)
+  run = Runner(tx, params, 4)
+  args = (run.params, run.state, run.abstract_grads(params))
+  sent = [analysis.bytes_sent(analysis.collectives(run.compiled(level), *args))
+          for level in ((1, 4), 1, 4)]
+  assert sent[0] == sent[1] > sent[2]
+  for bad in ((0, 4), (2, 1), (1, 6), (1.5, 4), (1,)):
+    with pytest.raises(ValueError, match=re.escape(f'density_level={bad!r}')):
+      run.compiled(bad).trace(*args)
+
+
 def test_composes_with_optax_chain_and_clipping():
   params = _params(0, {'w': (16, 8), 'b': (8,)})
   grads = _worker_grads(params, 8, 3)
@@ -390,7 +450,7 @@ def test_a_dense_step_before_a_dense_one_compiles_no_mask_search():
   schedule = scape_jax.DensitySchedule(0.1, 50)  # level 0 for 4 updates
   assert schedule.update_kwargs(2) == {'density_level': 0, 'next_dense': True}
   assert schedule.update_kwargs(3) == {'density_level': 0}  # then level 1
-  assert schedule.update_kwargs(4) == {'density_level': 1}
+  assert schedule.update_kwargs(4) == {'density_level': (1, 6)}
   tx = scape_jax.scape(1e-2, density=schedule)
   grads = _worker_grads(params, 4, 2)
   runs = []

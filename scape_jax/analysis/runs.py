@@ -18,6 +18,7 @@ reports the MEAN over it (the step amortised over r), beside each phase's
 median, and the logged per-step `comm_bytes` likewise.
 """
 
+import re
 import statistics
 from typing import Optional
 
@@ -39,10 +40,9 @@ def _collective_row(line: str) -> Optional[hlo.Collective]:
 
 
 def _label(header: str) -> Optional[str]:
-  """'... step (density_level=1, phase=sync), per ...' -> 'sync'."""
-  inside = header[len(HEADER):].split(')')[0].strip(' (')
-  args = dict(kv.split('=', 1) for kv in inside.split(', ') if '=' in kv)
-  return args.get('phase')
+  """'... step (density_level=(1, 6), phase=sync), per ...' -> 'sync'."""
+  found = re.search(r'\bphase=(\w+)', header.split(', per ')[0])
+  return found and found.group(1)
 
 
 def collective_tables(log_path: str) -> list:

@@ -266,6 +266,17 @@ def _rows_stacked(fn, arrays: Sequence[jax.Array], keys: Sequence) -> list:
   return out
 
 
+def repeat_last(offsets: jax.Array, k) -> jax.Array:
+  """int32[..., K] rows whose first k (1 <= k <= K, may be traced) slots are
+  a mask's offsets -> the rows with every slot past k holding the k-th
+  offset. A payload gathered at them repeats that entry, its mean repeats
+  the mean, and a scatter writes it twice: the same values as k slots, in a
+  buffer sized for K (`scale_by_scape`'s `density_level=(first, last)`)."""
+  slot = jnp.arange(offsets.shape[-1], dtype=jnp.int32)
+  index = jnp.broadcast_to(jnp.minimum(slot, k - 1), offsets.shape)
+  return jnp.take_along_axis(offsets, index, axis=-1)
+
+
 def offsets_to_words(offsets: jax.Array, c: int) -> jax.Array:
   """int32[n, k] distinct offsets < c -> uint32[n, ceil(c/32)] bitmaps."""
   n = offsets.shape[0]
@@ -315,12 +326,16 @@ def mask_to_wire(own: jax.Array, layout: LeafLayout, k: int,
 
 def masks_to_wire_many(owns: Sequence[jax.Array],
                        layouts: Sequence[LeafLayout], ks: Sequence[int],
-                       encodings: Sequence[str]) -> list:
+                       encodings: Sequence[str], live=None) -> list:
   """`mask_to_wire` of many leaves: the offsets of those sent as offsets
-  are decoded together per group of one (w, k) (`words_to_offsets_many`)."""
+  are decoded together per group of one (w, k) (`words_to_offsets_many`).
+  `live`: per leaf, the mask's own number of set bits (traced) where it is
+  below k; the offsets past it repeat its last (`repeat_last`)."""
   index = [j for j, e in enumerate(encodings) if e != 'bitmap']
   offsets = dict(zip(index, words_to_offsets_many(
       [owns[j][None] for j in index], [ks[j] for j in index])))
+  if live is not None:
+    offsets = {j: repeat_last(o, live[j]) for j, o in offsets.items()}
   out = []
   for j, (own, layout, encoding) in enumerate(zip(owns, layouts, encodings)):
     if encoding == 'bitmap':

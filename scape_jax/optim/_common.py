@@ -304,15 +304,29 @@ def state_stats(opt_state, state_type: type, fields: Sequence[str]) -> dict:
   return {}
 
 
-def at_density_level(step: Callable[[int], Any], density_level,
+def at_density_level(step: Callable[..., Any], density_level,
                      levels: Sequence[float], scheduled_level):
   """`step(level)` at the trainer's static `density_level` if given, else at
-  `scheduled_level` (traced) through a `lax.switch` over every level.
+  `scheduled_level` (traced) through a `lax.switch` over every level. A
+  range `(first, last)` of sparse levels is one program:
+  `step(first, live=level)`, its buffers sized for `first` (the largest k
+  of the range) and `scheduled_level`, clamped to the range, in force.
 
   Raises:
     ValueError: `density_level` is not an integer in 0..len(levels) - 1
-      (a float such as 0.5 was truncated to a level).
+      (a float such as 0.5 was truncated to a level), nor a range
+      (first, last) with 1 <= first <= last <= len(levels) - 1.
   """
+  if isinstance(density_level, tuple):
+    whole = all(isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+                for x in density_level)
+    if not (whole and len(density_level) == 2
+            and 1 <= density_level[0] <= density_level[1] < len(levels)):
+      raise ValueError(f'scape: density_level={density_level!r}; a range '
+                       'of levels is (first, last) with 1 <= first <= last '
+                       f'<= {len(levels) - 1} (levels {levels}).')
+    first, last = (int(x) for x in density_level)
+    return step(first, live=jnp.clip(scheduled_level, first, last))
   if density_level is not None:
     whole = (isinstance(density_level, (int, np.integer))
              and not isinstance(density_level, bool))

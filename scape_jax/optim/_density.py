@@ -15,7 +15,9 @@ class DensitySchedule:
   Level 0 is density 1: the first step is dense because M_0 is all ones. The
   continuous schedule `density ** (min(t, W) / W)` at `t` completed updates is
   rounded to the nearest of at most `max_levels` levels, evenly spaced in log
-  density. Each level is one compiled program; nothing recompiles per step.
+  density. The dense level, the warmup's sparse levels (one program, sized
+  for the first) and the final level are each one compiled program
+  (`update_kwargs`); nothing recompiles per step.
   """
   density: float
   warmup_steps: int = 0
@@ -57,8 +59,14 @@ class DensitySchedule:
   def update_kwargs(self, count: int) -> dict:
     """The static keywords of SCAPE's `update` for the update after `count`
     completed ones: its `density_level`, and `next_dense=True` while the
-    next update is dense too (that program compiles no mask search)."""
-    kwargs = {'density_level': self.level(count)}
+    next update is dense too (that program compiles no mask search). The
+    warmup's sparse levels, where there are two or more, share one program:
+    `density_level=(1, last - 1)`, its buffers sized for level 1's k, the
+    level in force traced from the count (level 1's bytes on the wire)."""
+    level, last = self.level(count), len(self.levels) - 1
+    if last > 2 and 0 < level < last:
+      return {'density_level': (1, last - 1)}
+    kwargs = {'density_level': level}
     if self.levels[self.level(count + 1)] == 1.0:
       kwargs['next_dense'] = True
     return kwargs

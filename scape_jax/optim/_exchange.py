@@ -72,7 +72,7 @@ def at_level(update_at_level, updates, state, plan: CompressionPlan, hyper,
   between. It gets `next_level`, the level of the next update: traced from
   the state's count, or 0 (static) where `next_dense` says the next update
   is at density 1, so that no mask search is compiled for it."""
-  if next_dense and (density_level is None or
+  if next_dense and (not isinstance(density_level, int) or
                      schedule.levels[density_level] != 1.0):
     raise ValueError(
         f'next_dense=True with density_level={density_level!r}: the next '
@@ -93,20 +93,39 @@ def k_per_level(plan: CompressionPlan, hyper: Hyper) -> list:
           for j, layout in enumerate(plan.layouts)]
 
 
+def live_k(k_levels, live) -> Optional[list]:
+  """Per leaf, the k of the traced level `live` (None: no range, or a dense
+  leaf)."""
+  if live is None:
+    return None
+  return [None if ks is None else jnp.asarray(ks, jnp.int32)[live]
+          for ks in k_levels]
+
+
+def density_at(hyper: Hyper, level: int, live=None) -> jax.Array:
+  """The density in force: of `level`, or of the traced `live` level."""
+  if live is None:
+    return jnp.asarray(hyper.levels[level], jnp.float32)
+  return jnp.asarray(hyper.levels, jnp.float32)[live]
+
+
 class GlobalMask(NamedTuple):
   """One sparse leaf's mask in force, as gathered from every worker."""
   offsets: jax.Array  # int32[N, k], ascending within each chunk
   words: jax.Array  # uint32[N, ceil(c/32)], the same as chunk bitmaps
 
 
-def exchange_masks(own_masks, plan, k_now, hyper, shift=None) -> list:
+def exchange_masks(own_masks, plan, k_now, hyper, shift=None,
+                   k_live=None) -> list:
   """The mask all-gather: every worker's chunk mask -> `GlobalMask`.
 
   One uint32 buffer carries every sparse leaf's contribution (bitmap or
   offsets, `LeafLayout.encoding`). Dense leaves get None. With `shift`
   (`next_own_masks`'), worker n's contribution is chunk (n + shift) % N's.
   The bitmaps are decoded by `masks.words_to_offsets_many`, the leaves of
-  one shape together, as are the offsets made bitmaps.
+  one shape together, as are the offsets made bitmaps. `k_live` (per leaf,
+  traced): the masks' own k where the buffers are sized for the larger
+  `k_now`; the offsets past it repeat the last (`masks.repeat_last`).
   """
   sparse = [j for j in range(len(own_masks)) if plan.is_sparse(j, k_now[j])]
   enc = {j: plan.layouts[j].encoding(k_now[j], hyper.encoding,
@@ -114,7 +133,9 @@ def exchange_masks(own_masks, plan, k_now, hyper, shift=None) -> list:
   wire = masks.masks_to_wire_many([own_masks[j][0] for j in sparse],
                                   [plan.layouts[j] for j in sparse],
                                   [k_now[j] for j in sparse],
-                                  [enc[j] for j in sparse])
+                                  [enc[j] for j in sparse],
+                                  None if k_live is None else
+                                  [k_live[j] for j in sparse])
   global_masks = [None] * len(own_masks)
   if not wire:
     return global_masks
@@ -128,15 +149,28 @@ def exchange_masks(own_masks, plan, k_now, hyper, shift=None) -> list:
   decoded = masks.words_to_offsets_many([parts[j] for j in bitmaps],
                                         [k_now[j] for j in bitmaps])
   for j, offsets in zip(bitmaps, decoded):
+    if k_live is not None:
+      offsets = masks.repeat_last(offsets, k_live[j])
     global_masks[j] = GlobalMask(offsets, parts[j])
   index = [j for j in sparse if enc[j] != 'bitmap']
   offsets = [masks.offsets_from_wire(parts[j], plan.layouts[j], k_now[j],
                                      enc[j]) for j in index]
+  distinct = offsets  # the repeated offsets past k_live set no bit
+  if k_live is not None:
+    distinct = [_past_live_out(o, k_live[j], plan.layouts[j].chunk_size)
+                for o, j in zip(offsets, index)]
   words = masks.offsets_to_words_many(
-      offsets, [plan.layouts[j].chunk_size for j in index])
+      distinct, [plan.layouts[j].chunk_size for j in index])
   for j, o, w in zip(index, offsets, words):
     global_masks[j] = GlobalMask(o, w)
   return global_masks
+
+
+def _past_live_out(offsets, k, chunk: int):
+  """The offsets with those past slot k at the first word past the chunk's
+  bitmap, which `masks.offsets_to_words` drops."""
+  slot = jnp.arange(offsets.shape[-1], dtype=jnp.int32)
+  return jnp.where(slot < k, offsets, 32 * -(-chunk // 32))
 
 
 def exchange_payload(values, plan, global_masks, axis_name) -> list:

@@ -168,8 +168,9 @@ _STORE_MIN = 1 << 16  # smaller leaves recompute m~ (`_semi_updated_moment`)
 
 def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
                      plan: CompressionPlan, hyper: _exchange.Hyper,
-                     schedule: DensitySchedule, next_level):
-  """One SCAPE update whose payload has the k of density level `level`."""
+                     schedule: DensitySchedule, next_level, live=None):
+  """One SCAPE update whose payload has the k of density level `level`
+  (with `live`, the traced level in force: its k, `level`'s buffers)."""
   flat = plan.treedef.flatten_up_to
   grad_leaves = [g.astype(jnp.float32) for g in flat(grads)]
   mu = flat(state.mu)
@@ -185,8 +186,9 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
   del schedule  # `next_level` is the next update's (`_exchange.at_level`)
   own_mask = _exchange.next_own_masks(moment, plan, k_levels, level,
                                       next_level, hyper)
-  global_masks = _exchange.exchange_masks(flat(state.mask), plan, k_now,
-                                          hyper)
+  global_masks = _exchange.exchange_masks(
+      flat(state.mask), plan, k_now, hyper,
+      k_live=_exchange.live_k(k_levels, live))
   stored = [_stores_moment(plan, j, k_now[j]) for j in range(len(mu))]
   after = [(o,) if keep else () for o, keep in zip(own_mask, stored)]
   if hyper.payload_dtype == 'float32':
@@ -203,7 +205,8 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
       moment, mu, exchanged, plan, global_masks, hyper.b1, errors, after)
   if hyper.clip_norm is not None:
     gbar = _scape_clip.clip(gbar, hyper.clip_norm, _scape_clip.squared_norms(
-        gbar, bbar, in_mask, mu, exchanged, plan, global_masks, hyper.b1))
+        gbar, bbar, in_mask, mu, exchanged, plan, global_masks, hyper.b1,
+        at_m=live is None))
   count = optax.safe_increment(state.count)
   nu = [hyper.b2 * m * m + (1.0 - hyper.b2) * g * g
         for m, g in zip(mu, gbar)]
@@ -219,7 +222,7 @@ def _update_at_level(grads, state: ScaleByScapeState, level: int, *,
       mask=plan.treedef.unflatten(
           [optax.MaskedNode() if o is None else vary(o) for o in own_mask]),
       residual_norm=vary(_norms.global_norm(residual)[None]),
-      density=jnp.asarray(hyper.levels[level], jnp.float32))
+      density=_exchange.density_at(hyper, level, live))
   direction = [d.astype(g.dtype) for d, g in zip(direction, flat(grads))]
   return plan.treedef.unflatten(direction), new_state
 

@@ -18,7 +18,7 @@ _NORM_AT_M_MAX_DENSITY = 1 / 32
 
 
 def squared_norms(gbar, bbar, in_mask, mu, exchanged, plan, global_masks,
-                  b1) -> list:
+                  b1, at_m: bool = True) -> list:
   """gbar's squared norm, leaf by leaf, for the clip. On dense leaves summed
   over gbar. On sparse leaves at or below `_NORM_AT_M_MAX_DENSITY`, over
   its N*k entries at M (it is 0 elsewhere): Eq. 3 from the exchanged values
@@ -26,13 +26,14 @@ def squared_norms(gbar, bbar, in_mask, mu, exchanged, plan, global_masks,
   leaves over (bbar - b1 m) at M, times 1 / (1 - b1)**2: an expression
   XLA cannot merge with gbar's, so that the norm's pass and the
   direction's each compute it from bbar and m and no full-shape gbar is
-  stored (`_norms.sum_squares`)."""
+  stored (`_norms.sum_squares`). `at_m=False`: never from the N*k values
+  (they repeat entries where k is traced: `masks.repeat_last`)."""
   out = []
   for g, b, inside, m, values, layout, mask in zip(
       gbar, bbar, in_mask, mu, exchanged, plan.layouts, global_masks):
     if mask is None:
       out.append(optax.tree.norm(g, squared=True))
-    elif values.size > layout.padded * _NORM_AT_M_MAX_DENSITY:
+    elif not at_m or values.size > layout.padded * _NORM_AT_M_MAX_DENSITY:
       out.append(_norms.sum_squares(jnp.where(inside, b - b1 * m, 0.0))
                  * (1.0 / (1.0 - b1))**2)
     else:

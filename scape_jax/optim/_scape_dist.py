@@ -156,8 +156,9 @@ def _own(x: jax.Array, worker) -> jax.Array:
 
 def _update_at_level(grads, state: ScaleByScapeDistState, level: int, *,
                      plan: CompressionPlan, hyper, schedule: DensitySchedule,
-                     next_level):
-  """One update whose payload has the k of density level `level`."""
+                     next_level, live=None):
+  """One update whose payload has the k of density level `level` (with
+  `live`, the traced level in force: its k, `level`'s buffers)."""
   flat = plan.treedef.flatten_up_to
   grad_leaves = [g.astype(jnp.float32) for g in flat(grads)]
   k_levels = [None if layout is None else plan.k_per_level(j, hyper.levels)
@@ -168,7 +169,8 @@ def _update_at_level(grads, state: ScaleByScapeDistState, level: int, *,
   b1 = hyper.b1
 
   local, sync = _moment_parts(grad_leaves, state, plan, b1, flat)
-  offsets = _exchange.exchange_masks(flat(state.mask), plan, k_now, hyper)
+  offsets = _exchange.exchange_masks(flat(state.mask), plan, k_now, hyper,
+                                     k_live=_exchange.live_k(k_levels, live))
   mean = _exchange.exchange_payload(local, plan, offsets, hyper.axis_name)
   own = _own_chunks(local, sync, mean, offsets, plan, worker, b1,
                     flat(state.mu_own), flat(state.mu_dense))
@@ -200,7 +202,7 @@ def _update_at_level(grads, state: ScaleByScapeDistState, level: int, *,
       residual=per_leaf(lambda o, _: o.residual[None]),
       mask=per_leaf(lambda _, m: m),
       residual_norm=vary(_norms.global_norm([o.residual for o in own])[None]),
-      density=jnp.asarray(hyper.levels[level], jnp.float32))
+      density=_exchange.density_at(hyper, level, live))
   direction = [d.astype(g.dtype) for d, g in zip(direction, flat(grads))]
   return plan.treedef.unflatten(direction), new_state
 

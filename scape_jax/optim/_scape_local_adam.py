@@ -139,8 +139,9 @@ def scale_by_scape_local_adam(
 
 def _update_at_level(grads, state: ScaleByScapeLocalAdamState, level: int, *,
                      plan: CompressionPlan, hyper: _exchange.Hyper,
-                     schedule: DensitySchedule, next_level):
-  """One update whose payload has the k of density level `level`."""
+                     schedule: DensitySchedule, next_level, live=None):
+  """One update whose payload has the k of density level `level` (with
+  `live`, the traced level in force: its k, `level`'s buffers)."""
   del schedule, next_level  # the mask is chosen and used in this step
   flat = plan.treedef.flatten_up_to
   grad_leaves = [g.astype(jnp.float32) for g in flat(grads)]
@@ -152,10 +153,12 @@ def _update_at_level(grads, state: ScaleByScapeLocalAdamState, level: int, *,
   k_levels = _exchange.k_per_level(plan, hyper)
   k_now = [None if k is None else k[level] for k in k_levels]
   shift = count % plan.num_workers  # worker n ranks chunk (n + t) % N
-  own_mask = _exchange.next_own_masks(scores, plan, k_levels, level, level,
-                                      hyper, shift)
-  global_masks = _exchange.exchange_masks(own_mask, plan, k_now, hyper,
-                                          shift)
+  own_mask = _exchange.next_own_masks(
+      scores, plan, k_levels, level, level if live is None else live, hyper,
+      shift)
+  global_masks = _exchange.exchange_masks(
+      own_mask, plan, k_now, hyper, shift,
+      k_live=_exchange.live_k(k_levels, live))
   mean = _exchange.exchange_payload(sent, plan, global_masks,
                                     hyper.axis_name)
   direction, residual, mu = _apply(mean, sent, global_masks, flat(state.mu),
@@ -170,7 +173,7 @@ def _update_at_level(grads, state: ScaleByScapeLocalAdamState, level: int, *,
       residual=plan.treedef.unflatten([per_worker(r) for r in residual]),
       m=m, v=v, w=w,
       residual_norm=vary(_norms.global_norm(residual)[None]),
-      density=jnp.asarray(hyper.levels[level], jnp.float32))
+      density=_exchange.density_at(hyper, level, live))
   direction = [d.astype(g.dtype) for d, g in zip(direction, flat(grads))]
   return plan.treedef.unflatten(direction), new_state
 

@@ -2,10 +2,10 @@
 rest in the background.
 
 A method whose update takes static arguments runs several programs (SCAPE:
-one per density level of its warmup; Radius: its dense, sparse and resample
-steps; DiLoCo and Pier: inner and sync steps). Compiling them all before the
-first step kept a run's devices idle for minutes (docs/benchmarks.md, "Time
-to the first step"). `StepPrograms.start` compiles the program of the first
+its dense level, its warmup's sparse levels, its final level; Radius: its
+dense, sparse and resample steps; DiLoCo and Pier: inner and sync steps).
+Compiling them all before the first step kept a run's devices idle for
+minutes (docs/benchmarks.md, "Time to the first step"). `StepPrograms.start` compiles the program of the first
 update, and submits the others to one background thread in the order the run
 reaches them; the loop waits for a program only if it arrives before its
 compile has finished, and that wait is not counted in the step times

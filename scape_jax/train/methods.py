@@ -258,7 +258,7 @@ register(MethodSpec('adams', _build_adams, supports_fsdp=True, dense=True,
 class ScapeConfig:
   density: float = 0.01  # Fraction of each compressed leaf sent, in (0, 1].
   density_warmup_steps: int = 0  # Exponential warmup from density 1.
-  density_levels: int = 8  # Warmup levels, one program each (>= 2).
+  density_levels: int = 8  # Warmup levels (>= 2): `DensitySchedule`.
   mask_encoding: str = 'auto'  # One of comm.masks.ENCODINGS.
   select: str = 'auto'  # Top-k of the next mask, one of comm.topk.SELECTS.
   offload: bool = False  # The residual in host memory between steps.
