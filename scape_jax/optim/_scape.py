@@ -101,10 +101,13 @@ def scale_by_scape(
     An `optax.GradientTransformationExtraArgs`. `update` takes the static
     keyword `density_level` (the `DensitySchedule.level` of the state's
     count): the step holds that level's collectives only; without it every
-    level is compiled into one `lax.switch`. With `density_level=0`, the
-    static `next_dense=True` says that the next update is dense too: its
-    masks are all ones, and no mask search is compiled (the trainer's first
-    steps of a density warmup).
+    level is compiled into one `lax.switch`. A range `(first, last)` of
+    sparse levels is one program for all of them: its buffers sized for
+    `first`'s k, the level in force taken from the count, the same numbers
+    (`DensitySchedule.update_kwargs` gives the warmup's). With
+    `density_level=0`, the static `next_dense=True` says that the next
+    update is dense too: its masks are all ones, and no mask search is
+    compiled (the trainer's first steps of a density warmup).
 
   References:
     SCAPE paper, Algorithm 1 and Sections IV-A..IV-C, IV-E;
