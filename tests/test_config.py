@@ -218,6 +218,8 @@ def test_bad_steps_is_one_error_not_one_per_method(steps, method):
      r"offload_kind='device' keeps the residual in device memory"),
     (['--config.optimizer.name=scape', '--config.optimizer.scape.density_levels=5'],
      r'density_levels=5 has no effect with density_warmup_steps=0'),
+    (['--config.optimizer.name=scape', '--config.optimizer.scape.shared_warmup=true'],
+     r'shared_warmup=True has no effect with density_warmup_steps=0'),
     (['--config.optimizer.decay=constant', '--config.optimizer.min_lr_ratio=0.5'],
      r"min_lr_ratio=0.5 has no effect with optimizer.decay='constant'"),
     (['--config.optimizer.name=scape', '--config.optimizer.scape.fp32_replica=true'],

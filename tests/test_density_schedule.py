@@ -19,6 +19,8 @@ def test_density_levels_caps_the_levels():
   assert len(scape_jax.DensitySchedule(0.01, 2, max_levels=5).levels) == 3
   with pytest.raises(ValueError, match=r'max_levels=1 .*>= 2'):
     scape_jax.DensitySchedule(0.01, 100, max_levels=1)
+  with pytest.raises(ValueError, match=r'shared_warmup=1 .*True or False'):
+    scape_jax.DensitySchedule(0.01, 100, shared_warmup=1)
 
 
 @pytest.mark.parametrize('warmup, max_levels, expected', [

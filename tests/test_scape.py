@@ -209,14 +209,16 @@ _RANGE_CASES = [
 @pytest.mark.parametrize('method, wire', _RANGE_CASES)
 def test_the_warmup_levels_share_one_program_of_the_same_numbers(method,
                                                                  wire):
-  """The trainer's warmup: `density_level=(1, last - 1)` is one program for
+  """`shared_warmup`: `density_level=(1, last - 1)` is one program for
   every sparse level before the last (its buffers sized for level 1, the
   level traced from the count, the offsets past a level's k repeating its
   last); the states equal those of each level's own program."""
-  sched = scape_jax.DensitySchedule(0.1, 5)
+  sched = scape_jax.DensitySchedule(0.1, 5, shared_warmup=True)
   kwargs = [sched.update_kwargs(i) for i in range(8)]
   assert [k['density_level'] for k in kwargs] == [
       0, (1, 4), (1, 4), (1, 4), (1, 4), 5, 5, 5]
+  assert [scape_jax.DensitySchedule(0.1, 5).update_kwargs(i)['density_level']
+          for i in range(8)] == [0, 1, 2, 3, 4, 5, 5, 5]
   _assert_range_equals_levels(
       getattr(scape_jax, method)(1e-2, density=sched, **wire), sched, 8,
       (3, 6))
@@ -225,7 +227,7 @@ def test_the_warmup_levels_share_one_program_of_the_same_numbers(method,
 def test_a_range_below_one_32nd_clips_by_the_full_norm():
   # Level 1 at d = 0.0215 <= 1/32: a level's own program sums the clip's
   # norm over its N*k values, which the range's repeat: it sums over gbar.
-  sched = scape_jax.DensitySchedule(1e-5, 3)
+  sched = scape_jax.DensitySchedule(1e-5, 3, shared_warmup=True)
   assert sched.levels[1] < 1 / 32 and sched.update_kwargs(1) == {
       'density_level': (1, 2)}
   _assert_range_equals_levels(scape_jax.scape(1e-2, density=sched), sched, 5,
@@ -450,7 +452,7 @@ def test_a_dense_step_before_a_dense_one_compiles_no_mask_search():
   schedule = scape_jax.DensitySchedule(0.1, 50)  # level 0 for 4 updates
   assert schedule.update_kwargs(2) == {'density_level': 0, 'next_dense': True}
   assert schedule.update_kwargs(3) == {'density_level': 0}  # then level 1
-  assert schedule.update_kwargs(4) == {'density_level': (1, 6)}
+  assert schedule.update_kwargs(4) == {'density_level': 1}
   tx = scape_jax.scape(1e-2, density=schedule)
   grads = _worker_grads(params, 4, 2)
   runs = []

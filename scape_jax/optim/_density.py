@@ -15,13 +15,14 @@ class DensitySchedule:
   Level 0 is density 1: the first step is dense because M_0 is all ones. The
   continuous schedule `density ** (min(t, W) / W)` at `t` completed updates is
   rounded to the nearest of at most `max_levels` levels, evenly spaced in log
-  density. The dense level, the warmup's sparse levels (one program, sized
-  for the first) and the final level are each one compiled program
-  (`update_kwargs`); nothing recompiles per step.
+  density. Each level is one compiled program, or with `shared_warmup` the
+  warmup's sparse levels before the last are one (`update_kwargs`): fewer
+  compiles, level 1's bytes through the warmup. Nothing recompiles per step.
   """
   density: float
   warmup_steps: int = 0
   max_levels: int = 8
+  shared_warmup: bool = False
 
   def __post_init__(self):
     _common.check_static('scape', 'density', self.density)
@@ -31,6 +32,10 @@ class DensitySchedule:
       raise ValueError(
           f'max_levels={self.max_levels!r} (optimizer.scape.density_levels) '
           'must be an integer >= 2: density 1 and the final density.')
+    if not isinstance(self.shared_warmup, bool):
+      raise ValueError(f'shared_warmup={self.shared_warmup!r} '
+                       '(optimizer.scape.shared_warmup) must be True or '
+                       'False.')
 
   @property
   def levels(self) -> tuple:
@@ -59,12 +64,13 @@ class DensitySchedule:
   def update_kwargs(self, count: int) -> dict:
     """The static keywords of SCAPE's `update` for the update after `count`
     completed ones: its `density_level`, and `next_dense=True` while the
-    next update is dense too (that program compiles no mask search). The
-    warmup's sparse levels, where there are two or more, share one program:
-    `density_level=(1, last - 1)`, its buffers sized for level 1's k, the
-    level in force traced from the count (level 1's bytes on the wire)."""
+    next update is dense too (that program compiles no mask search). With
+    `shared_warmup`, the sparse levels before the last, where there are two
+    or more, share one program: `density_level=(1, last - 1)`, its buffers
+    sized for level 1's k, the level in force traced from the count (the
+    same numbers, level 1's bytes on the wire)."""
     level, last = self.level(count), len(self.levels) - 1
-    if last > 2 and 0 < level < last:
+    if self.shared_warmup and last > 2 and 0 < level < last:
       return {'density_level': (1, last - 1)}
     kwargs = {'density_level': level}
     if self.levels[self.level(count + 1)] == 1.0:

@@ -104,7 +104,7 @@ def scale_by_scape(
     level is compiled into one `lax.switch`. A range `(first, last)` of
     sparse levels is one program for all of them: its buffers sized for
     `first`'s k, the level in force taken from the count, the same numbers
-    (`DensitySchedule.update_kwargs` gives the warmup's). With
+    (`DensitySchedule(shared_warmup=True)` gives the warmup's). With
     `density_level=0`, the static `next_dense=True` says that the next
     update is dense too: its masks are all ones, and no mask search is
     compiled (the trainer's first steps of a density warmup).

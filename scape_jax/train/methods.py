@@ -258,7 +258,8 @@ register(MethodSpec('adams', _build_adams, supports_fsdp=True, dense=True,
 class ScapeConfig:
   density: float = 0.01  # Fraction of each compressed leaf sent, in (0, 1].
   density_warmup_steps: int = 0  # Exponential warmup from density 1.
-  density_levels: int = 8  # Warmup levels (>= 2): `DensitySchedule`.
+  density_levels: int = 8  # Warmup levels (>= 2), one program each, or
+  shared_warmup: bool = False  # one for the sparse ones before the last.
   mask_encoding: str = 'auto'  # One of comm.masks.ENCODINGS.
   select: str = 'auto'  # Top-k of the next mask, one of comm.topk.SELECTS.
   offload: bool = False  # The residual in host memory between steps.
@@ -267,8 +268,7 @@ class ScapeConfig:
   # An authoritative fp32 copy of the parameters in the state (offloaded with
   # offload=True); the step's parameters (model.param_dtype) are its cast.
   fp32_replica: bool = False
-  # Payload values on the wire: 'float32', 'bfloat16' or 'float16'.
-  payload_dtype: str = 'float32'
+  payload_dtype: str = 'float32'  # On the wire: also bfloat16, float16.
   offset_bits: str = '32'  # Offsets on the wire: '32', '16' or 'auto'.
   local_adam: bool = False  # Per-worker Adam (`scape_local_adam`).
   # Comma-separated parts of parameter paths ('embed_tokens'; '' none): leaves
@@ -279,9 +279,9 @@ class ScapeConfig:
 
 
 def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
-  schedule = scape_lib.DensitySchedule(section.density,
-                                       section.density_warmup_steps,
-                                       section.density_levels)
+  schedule = scape_lib.DensitySchedule(
+      section.density, section.density_warmup_steps, section.density_levels,
+      section.shared_warmup)
   alias, wire = _scape_alias(section)
   tx = alias(
       lr, density=schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
@@ -341,10 +341,10 @@ def _scape_no_effect(cfg, section: ScapeConfig, total_steps: int) -> list:
     problems.append("offload_kind='device' keeps the residual in device "
                     'memory: set offload=False, or a host memory kind '
                     f'({sharding_memory.HOST!r})')
-  if section.density_warmup_steps == 0 and changed(section,
-                                                   'density_levels'):
-    problems.append(f'density_levels={section.density_levels} has no effect '
-                    'with density_warmup_steps=0 (no warmup: one level)')
+  for name in ('density_levels', 'shared_warmup'):
+    if section.density_warmup_steps == 0 and changed(section, name):
+      problems.append(f'{name}={getattr(section, name)} has no effect with '
+                      'density_warmup_steps=0 (no warmup: one level)')
   return problems
 
 
