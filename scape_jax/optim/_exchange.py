@@ -72,8 +72,8 @@ def at_level(update_at_level, updates, state, plan: CompressionPlan, hyper,
   between. It gets `next_level`, the level of the next update: traced from
   the state's count, or 0 (static) where `next_dense` says the next update
   is at density 1, so that no mask search is compiled for it."""
-  if next_dense and (not isinstance(density_level, int) or
-                     schedule.levels[density_level] != 1.0):
+  if next_dense and (density_level is None or isinstance(density_level, tuple)
+                     or schedule.levels[density_level] != 1.0):
     raise ValueError(
         f'next_dense=True with density_level={density_level!r}: the next '
         'update can be dense only after a dense one (level 0).')
