@@ -16,7 +16,13 @@ Three measurements, each a process per method, the methods in turn
 * the llama500m dry run (`--dry-run`, which compiles the steady-state step
   from abstract shapes): the process's wall time.
 
-Writes docs/bench/first_step.{json,md}. With `--device`, instead, on the
+Writes docs/bench/first_step.{json,md}. With `--profile CONFIG`, instead,
+where the compile of that config's steady-state program goes (the program
+`--dry-run` compiles; with `--read-only` as it compiles it), AdamS then
+SCAPE in one process under `jax.profiler`: its trace, then XLA's phases
+and the kernels XLA:CPU generates, one per distinct fusion
+(`FusionCompiler::Compile`), to compile_profile.{json,md}. With `--device`,
+instead, on the
 machine's accelerator (its first device, a worker's share of llama500m's
 batch: `DEVICE`): llama500m's program before step 1, compiled in a fresh
 process (GPU: with cuDNN attention), to OUT/first_step_device.{json,md}
@@ -24,10 +30,13 @@ process (GPU: with cuDNN attention), to OUT/first_step_device.{json,md}
 worker a chunk is a whole leaf, a program unlike a cluster worker's.
 
   python bench/first_step.py [--repeats 2] [--skip-dry-run]
+  python bench/first_step.py --profile configs/llama500m.py --read-only
   python bench/first_step.py --device --repeats 1 --out runs/gpu
 """
 
 import argparse
+import glob
+import gzip
 import json
 import os
 import shutil
@@ -141,6 +150,97 @@ def dry_run(overrides: list) -> dict:
   return {'wall_s': wall}
 
 
+# --profile: (column, XLA profile event name prefix), seconds summed.
+PHASES = (('xla_compile_s', 'PjRtCpuClient::Compile'),
+          ('hlo_passes_s', 'HLO passes '),
+          ('spmd_s', 'spmd-partitioner'),
+          ('kernel_codegen_s', 'FusionCompiler::Compile'),
+          ('emit_s', 'ThunkEmitter::EmitEntryComputation'))
+
+
+def profile_events(trace_dir: str) -> dict:
+  """name -> (events, seconds) of the perfetto trace under `trace_dir`."""
+  path, = glob.glob(os.path.join(trace_dir, '**', 'perfetto_trace.json.gz'),
+                    recursive=True)
+  with gzip.open(path) as f:
+    trace = json.load(f)
+  out = {}
+  for e in trace['traceEvents'] if isinstance(trace, dict) else trace:
+    if e.get('ph') == 'X':
+      n, s = out.get(e['name'], (0, 0.0))
+      out[e['name']] = n + 1, s + e.get('dur', 0) / 1e6
+  return out
+
+
+def profile_compile(config: str, method: str, read_only: bool) -> dict:
+  """One method's steady program: trace, then lower and compile, profiled."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from scape_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  from scape_jax.train import program as program_lib  # pylint: disable=g-import-not-at-top
+  program = program_lib.build_program(
+      config_lib.load(config, METHODS[method]), jax.devices())
+  count, static, _ = program_lib.steady_count(program)
+  t0 = time.perf_counter()
+  traced = program.trace_step(count)
+  t1 = time.perf_counter()
+  with tempfile.TemporaryDirectory() as trace_dir:
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # XLA's events only: none dropped
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True,
+                             profiler_options=options)
+    try:
+      program.compile_step(count, traced, run=not read_only)
+      t2 = time.perf_counter()
+    finally:
+      jax.profiler.stop_trace()
+    events = profile_events(trace_dir)
+  row = {'method': method, 'program': ', '.join(
+      f'{k}={v}' for k, v in static.items()) or '-',
+         'trace_s': t1 - t0, 'lower_compile_s': t2 - t1}
+  for column, prefix in PHASES:
+    row[column] = sum(s for name, (_, s) in events.items()
+                      if name.startswith(prefix))
+  row['kernels'] = events.get('FusionCompiler::Compile', (0, 0.0))[0]
+  return row
+
+
+def _profile_table(rows: list, command: str) -> str:
+  cols = ['method', 'program', 'trace_s', 'lower_compile_s'] + [
+      c for c, _ in PHASES] + ['kernels']
+  lines = [f'<!-- {command} -->', '| ' + ' | '.join(cols) + ' |',
+           '|' + '---|' * len(cols)]
+  for r in rows:
+    lines.append('| ' + ' | '.join(
+        f'{r[c]:.2f}' if isinstance(r[c], float) else str(r[c])
+        for c in cols) + ' |')
+  return '\n'.join(lines) + '\n'
+
+
+def _profile(parser, args) -> None:
+  """`--profile`: each method's row, to OUT/compile_profile.{json,md}."""
+  from scape_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  from scape_jax.train import program as program_lib  # pylint: disable=g-import-not-at-top
+  try:
+    need = program_lib.required_devices(config_lib.load(args.profile, []))
+  except (config_lib.ConfigError, FileNotFoundError) as e:
+    parser.error(str(e))
+  os.makedirs(args.out, exist_ok=True)
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+  if need and 'host_platform_device_count' not in os.environ.get(
+      'XLA_FLAGS', ''):  # read when the backend starts, below
+    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                               f' --xla_force_host_platform_device_count='
+                               f'{need}').strip()
+  rows = [profile_compile(args.profile, m, args.read_only) for m in METHODS]
+  command = ' '.join(['python bench/first_step.py', *sys.argv[1:]])
+  with open(os.path.join(args.out, 'compile_profile.json'), 'w') as f:
+    json.dump({'command': command, 'rows': rows}, f, indent=1)
+  table = _profile_table(rows, command)
+  with open(os.path.join(args.out, 'compile_profile.md'), 'w') as f:
+    f.write(table)
+  print(table)
+
+
 def _table(results: dict, command: str) -> str:
   lines = [f'Generated by `{command}`. Medians of the rounds; the methods '
            'ran in turn.', '',
@@ -181,11 +281,21 @@ def main():
   parser.add_argument('--device', action='store_true',
                       help="only llama500m's first program, on the "
                       'accelerator')
+  parser.add_argument('--profile', metavar='CONFIG', default=None,
+                      help="only the profile of CONFIG's steady-program "
+                      'compile (a config file or preset)')
+  parser.add_argument('--read-only', action='store_true',
+                      help='--profile: compile as --dry-run does')
   parser.add_argument('--out', default=OUT,
                       help='output directory (default docs/bench)')
   args = parser.parse_args()
   if args.repeats < 1:
     parser.error(f'--repeats={args.repeats}: must be >= 1')
+  if args.read_only and not args.profile:
+    parser.error('--read-only: only with --profile CONFIG')
+  if args.profile:
+    _profile(parser, args)
+    return
   results = {m: [] for m in METHODS}
   for _ in range(args.repeats):
     for method, overrides in METHODS.items():

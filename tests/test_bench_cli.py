@@ -47,7 +47,8 @@ USAGE_ERRORS = [
      'integer >= 0'),
     ('network', ['--workers', '3', '--methods', 'DiLoCo'],
      'do not split into mesh.replica=2'),
-    ('compile_profile', ['--config', '{missing}'], '--config '),
+    ('first_step', ['--profile', '{missing}'], 'neither a config file nor'),
+    ('first_step', ['--read-only'], '--read-only: only with --profile'),
 ]
 
 

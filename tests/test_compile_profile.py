@@ -1,6 +1,6 @@
-"""bench/compile_profile.py run as a user runs it, on the demo's config: each
-method's row holds its steady program and compile phases that nest, read
-from the profile (all zero if XLA's event names changed)."""
+"""`bench/first_step.py --profile` run as a user runs it, on the demo's
+config: each method's row holds its steady program and compile phases that
+nest, read from the profile (all zero if XLA's event names changed)."""
 
 import json
 import os
@@ -17,11 +17,12 @@ def test_the_profile_splits_each_compile_into_its_phases(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS='')
   proc = subprocess.run(
       [sys.executable, os.path.join(bench_scripts.ROOT, 'bench',
-                                    'compile_profile.py'), '--out', tmp_path],
+                                    'first_step.py'), '--profile',
+       'shakespeare_llama_tiny', '--out', tmp_path],
       capture_output=True, text=True, env=env, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = json.loads((tmp_path / 'compile_profile.json').read_text())['rows']
-  assert [r['method'] for r in rows] == ['adams', 'scape']
+  assert [r['method'] for r in rows] == ['AdamS', 'SCAPE']
   adams, scape = rows
   # The demo's SCAPE (d = 0.05 over 50 warmup steps) runs its last level.
   assert scape['program'] == (

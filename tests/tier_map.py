@@ -34,7 +34,7 @@ MODULE_TIERS = {
     'test_cli': SYSTEM,
     'test_comm': UNIT,
     'test_compile_cache': INTEGRATION,
-    'test_compile_profile': SYSTEM,  # bench/compile_profile.py as a subprocess
+    'test_compile_profile': SYSTEM,  # bench/first_step.py --profile
     'test_composition': UNIT,
     'test_config': UNIT,
     'test_cost': UNIT,
