@@ -21,13 +21,13 @@ where the compile of that config's steady-state program goes (the program
 `--dry-run` compiles; with `--read-only` as it compiles it), AdamS then
 SCAPE in one process under `jax.profiler`: its trace, then XLA's phases
 and the kernels XLA:CPU generates, one per distinct fusion
-(`FusionCompiler::Compile`), to compile_profile.{json,md}. With `--device`,
-instead, on the
-machine's accelerator (its first device, a worker's share of llama500m's
-batch: `DEVICE`): llama500m's program before step 1, compiled in a fresh
-process (GPU: with cuDNN attention), to OUT/first_step_device.{json,md}
-(`bench/gpu_checks.sh` runs it). Not its steady-state program: with one
-worker a chunk is a whole leaf, a program unlike a cluster worker's.
+(`FusionCompiler::Compile`), to compile_profile.{json,md}. With
+`--device`, instead, on the machine's accelerator (its first device, a
+worker's share of llama500m's batch: `DEVICE`): llama500m's program before
+step 1, compiled in a fresh process (GPU: with cuDNN attention), to
+OUT/first_step_device.{json,md} (`bench/gpu_checks.sh` runs it). Not its
+steady-state program: with one worker a chunk is a whole leaf, a program
+unlike a cluster worker's.
 
   python bench/first_step.py [--repeats 2] [--skip-dry-run]
   python bench/first_step.py --profile configs/llama500m.py --read-only
