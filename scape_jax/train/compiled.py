@@ -2,15 +2,16 @@
 rest in the background.
 
 A method whose update takes static arguments runs several programs (SCAPE:
-its dense level, its warmup's sparse levels, its final level; Radius: its
-dense, sparse and resample steps; DiLoCo and Pier: inner and sync steps).
-Compiling them all before the first step kept a run's devices idle for
-minutes (docs/benchmarks.md, "Time to the first step"). `StepPrograms.start` compiles the program of the first
-update, and submits the others to one background thread in the order the run
-reaches them; the loop waits for a program only if it arrives before its
-compile has finished, and that wait is not counted in the step times
-(`take_waited`). The programs are the same: the numbers are bit for bit
-those of compiling them all first.
+one per density level of its warmup, or with `shared_warmup` one for the
+sparse levels before the last; Radius: its dense, sparse and resample
+steps; DiLoCo and Pier: inner and sync steps). Compiling them all before
+the first step kept a run's devices idle for minutes (docs/benchmarks.md,
+"Time to the first step"). `StepPrograms.start` compiles the program of
+the first update, and submits the others to one background thread in the
+order the run reaches them; the loop waits for a program only if it
+arrives before its compile has finished, and that wait is not counted in
+the step times (`take_waited`). The programs are the same: the numbers are
+bit for bit those of compiling them all first.
 
 `compile_cache` points JAX's persistent compilation cache at the run's
 `compile_cache` directory, so that a restart loads its programs instead of
