@@ -158,8 +158,8 @@ def test_the_inner_method_section_of_an_outer_method_is_compared():
 # Another valid value of every key of every method's section.
 _OTHER_VALUE = {
     'scape': dict(density=0.1, density_warmup_steps=3, density_levels=4,
-                  shared_warmup=True, mask_encoding='bitmap', select='sort', offload=False,
-                  offload_kind='unpinned_host', distributed=True,
+                  shared_warmup=True, mask_encoding='bitmap', select='sort',
+                  offload=False, offload_kind='unpinned_host', distributed=True,
                   fp32_replica=False,
                   payload_dtype='bfloat16', offset_bits='16',
                   local_adam=True, dense_leaves='embed_tokens',
