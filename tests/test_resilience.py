@@ -117,6 +117,21 @@ def test_data_paths_are_compared_as_files(tmp_path, monkeypatch):
       'data.corpus': (str(tmp_path / 'corpus'), str(tmp_path / 'moved'))}
 
 
+def test_a_warmup_compiled_as_one_program_resumes_without_the_flag():
+  # The demo's config gained shared_warmup=True: a run saved before resumes
+  # (the same numbers, other programs), and the change is reported.
+  def cfg(*extra):
+    return config_lib.to_dict(config_lib.load(None, [
+        '--config.optimizer.name=scape',
+        '--config.optimizer.scape.density_warmup_steps=10', *extra]))
+  saved = cfg()
+  del saved['optimizer']['scape']['shared_warmup']  # saved before the key
+  changes = resume.check_config(
+      saved, cfg('--config.optimizer.scape.shared_warmup=true'), 'ckpt 5',
+      allow_change=False)
+  assert changes == {'optimizer.scape.shared_warmup': ('(absent)', True)}
+
+
 def test_unused_method_sections_are_not_compared():
   saved = config_lib.to_dict(config_lib.load(None, []))  # adamw
   current = config_lib.to_dict(config_lib.load(

@@ -48,6 +48,8 @@ RESUME_SAFE_KEYS = ('log_every', 'eval_every', 'ckpt_every',
                     # restore; the numbers are the same up to rounding).
                     'optimizer.scape.offload', 'optimizer.scape.offload_kind',
                     'optimizer.scape.distributed',
+                    # How SCAPE's warmup levels compile (the same numbers).
+                    'optimizer.scape.shared_warmup',
                     # Where FCDP keeps and gathers the same numbers, and how
                     # the same fsdp group is split into nodes.
                     'fcdp.host_cache', 'fcdp.hierarchical', 'fcdp.lora_aware',
