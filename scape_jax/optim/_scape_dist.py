@@ -161,8 +161,7 @@ def _update_at_level(grads, state: ScaleByScapeDistState, level: int, *,
   `live`, the traced level in force: its k, `level`'s buffers)."""
   flat = plan.treedef.flatten_up_to
   grad_leaves = [g.astype(jnp.float32) for g in flat(grads)]
-  k_levels = [None if layout is None else plan.k_per_level(j, hyper.levels)
-              for j, layout in enumerate(plan.layouts)]
+  k_levels = _exchange.k_per_level(plan, hyper)
   k_now = [None if ks is None else ks[level] for ks in k_levels]
   worker = (0 if hyper.axis_name is None else
             jax.lax.axis_index(hyper.axis_name))
