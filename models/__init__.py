@@ -6,18 +6,22 @@ import dataclasses
 import functools
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from .gpt import GPT, GPTConfig
-from .layers import LOGICAL_AXES, SHARDING_KEY, count_params, logical_axes
+from .layers import (LOGICAL_AXES, SHARDING_KEY, count_params, logical_axes,
+                     matrices)
 from .llama import Llama, LlamaConfig
 from .lora import LoraSpec, rngs
 
 __all__ = [
     'GPT', 'GPTConfig', 'Llama', 'LlamaConfig', 'LOGICAL_AXES', 'LoraSpec',
     'PRESETS', 'SHARDING_KEY', 'build', 'get_config', 'logical_axes',
-    'pad_vocab', 'param_count', 'rngs',
+    'blocks_key', 'matrices', 'pad_vocab', 'param_count', 'rngs',
+    'stack_blocks', 'unstack_blocks',
 ]
 
 Config = GPTConfig | LlamaConfig
@@ -87,6 +91,37 @@ def build(cfg: Config, *, rngs: nnx.Rngs, dtype: Any = jnp.bfloat16,
   if isinstance(cfg, LlamaConfig):
     return Llama(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
   raise TypeError(f'unsupported config type {type(cfg).__name__}')
+
+
+def blocks_key(cfg: Config) -> str:
+  """The name of the model's list of blocks: 'h' (GPT), 'layers' (Llama)."""
+  return 'h' if isinstance(cfg, GPTConfig) else 'layers'
+
+
+def unstack_blocks(cfg: Config, params: dict) -> dict:
+  """A pure dict of a scanned model's parameters as the unrolled model's:
+  its stacked blocks as blocks {0: ..., n_layers - 1: ...} (arrays sliced,
+  `jax.ShapeDtypeStruct`s reshaped). Any other model's is returned as is."""
+  if not cfg.scan_layers:
+    return params
+
+  def layer(x, i):
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+    return x[i]
+
+  key = blocks_key(cfg)
+  return {**params, key: {i: jax.tree.map(lambda x: layer(x, i), params[key])
+                          for i in range(cfg.n_layers)}}
+
+
+def stack_blocks(cfg: Config, params: dict) -> dict:
+  """The inverse of `unstack_blocks` (numpy arrays stacked)."""
+  if not cfg.scan_layers:
+    return params
+  key = blocks_key(cfg)
+  blocks = [params[key][i] for i in range(cfg.n_layers)]
+  return {**params, key: jax.tree.map(lambda *xs: np.stack(xs), *blocks)}
 
 
 @functools.lru_cache(maxsize=None)

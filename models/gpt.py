@@ -36,6 +36,9 @@ class GPTConfig:
   norm_eps: float = 1e-5
   init_std: float = 0.02
   remat: bool = False
+  # The layers as one module of stacked parameters, run by `nnx.scan`:
+  # traced and compiled once, not once per layer.
+  scan_layers: bool = False
   attn_impl: str = 'xla'  # one of layers.ATTN_IMPLS.
   lora: lora_lib.LoraSpec | None = None  # adapters on these layers
   family: str = 'gpt'
@@ -133,7 +136,13 @@ class GPT(nnx.Module):
     self.wpe = nnx.Embed(
         cfg.max_seq_len, cfg.d_model,
         embedding_init=layers.normal(cfg.init_std, ('pos', 'embed')), **kw)
-    self.h = nnx.List([Block(cfg, **kw) for _ in range(cfg.n_layers)])
+    if cfg.scan_layers:
+      self.h = layers.stack(
+          lambda rngs: Block(cfg, dtype=dtype, param_dtype=param_dtype,
+                              rngs=rngs), cfg.n_layers, rngs)
+    else:
+      self.h = nnx.List(
+          [Block(cfg, **kw) for _ in range(cfg.n_layers)])
     self.ln_f = _layer_norm(cfg, **kw)
 
   def __call__(self, tokens: jax.Array, *,
@@ -141,8 +150,7 @@ class GPT(nnx.Module):
     """Logits; `param_hook` supplies each unit's parameters (`run_unit`)."""
     layers.check_seq_len(tokens, self.cfg.max_seq_len)
     x = layers.run_unit(_embed, (self.wte, self.wpe), tokens, hook=param_hook)
-    for block in self.h:
-      x = layers.run_block(block, x, self.cfg.remat, param_hook)
+    x = layers.run_blocks(self.h, x, self.cfg.remat, param_hook)
     return layers.run_unit(functools.partial(_head, dtype=self.dtype),
                            (self.ln_f, self.wte), x, hook=param_hook)
 

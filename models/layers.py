@@ -16,8 +16,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+# The logical name of a scanned model's stacked layer axis (`stack`): no
+# mesh axis splits it, and it does not count toward a leaf's rank
+# (`matrix_rank`).
+LAYERS = 'layers'
+
 # The only logical axis names a parameter may carry (besides None).
-LOGICAL_AXES = ('vocab', 'embed', 'mlp', 'heads', 'kv', 'pos')
+LOGICAL_AXES = ('vocab', 'embed', 'mlp', 'heads', 'kv', 'pos', LAYERS)
 
 # Metadata key under which flax 0.12.8 stores `with_partitioning` names.
 SHARDING_KEY = 'out_sharding'
@@ -187,6 +192,70 @@ def run_block(block: nnx.Module, x: jax.Array, remat: bool,
               hook: ParamHook | None = None) -> jax.Array:
   """Applies `block` to `x` as one unit (see `run_unit`)."""
   return run_unit(_call, (block,), x, remat=remat, hook=hook)
+
+
+def stack(make: Callable[[nnx.Rngs], nnx.Module], n: int,
+          rngs: nnx.Rngs) -> nnx.Module:
+  """`n` modules `make(rngs)` as one whose parameters are stacked along a
+  leading axis named `LAYERS`: the same initial values as the `n` modules
+  made in turn (a list of them), so that a scanned model starts where the
+  unrolled one does."""
+  blocks = [make(rngs) for _ in range(n)]
+  graphdef = nnx.graphdef(blocks[0])
+
+  def stacked(*variables: nnx.Variable) -> nnx.Variable:
+    first = variables[0]
+    names = first.get_metadata().get(SHARDING_KEY)
+    value = jnp.stack([v.get_value() for v in variables])
+    if names is None:
+      return first.replace(value)
+    return first.replace(value, **{SHARDING_KEY: (LAYERS,) + tuple(names)})
+
+  states = [nnx.state(b) for b in blocks]
+  return nnx.merge(graphdef, jax.tree.map(
+      stacked, *states, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def run_blocks(blocks: nnx.Module | Sequence[nnx.Module], x: jax.Array,
+               remat: bool, hook: ParamHook | None = None) -> jax.Array:
+  """Applies the blocks in turn, each as one unit (`run_block`): a list
+  unrolled, a `stack` of them as one `nnx.scan` (traced and compiled once;
+  inside it each block's parameters and axis names are one layer's)."""
+  if isinstance(blocks, nnx.List):
+    for block in blocks:
+      x = run_block(block, x, remat, hook)
+    return x
+
+  @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
+            transform_metadata={nnx.PARTITION_NAME: LAYERS})
+  def body(x: jax.Array, block: nnx.Module) -> jax.Array:
+    return run_block(block, x, remat, hook)
+
+  return body(x, blocks)
+
+
+def matrix_rank(names: Names) -> int:
+  """The rank of a parameter with logical axis `names`, its stacked layer
+  axis (`LAYERS`) not counted: 2 for a scanned model's [L, d, d] kernel, 1
+  for its [L, d] norm scales."""
+  return sum(n != LAYERS for n in names)
+
+
+def matrices(axes: Any) -> Callable[[Any], Any]:
+  """`params -> tree of bools`: the leaves of `matrix_rank` >= 2, from the
+  logical axis names of every parameter (`axes`, a nested dict as
+  `nnx.to_pure_dict(logical_axes(...))` gives); `params` may be any subtree
+  of the same nested keys (LoRA's trainable leaves)."""
+
+  def flags(params):
+    def flag(path, x):
+      names = axes
+      for key in path:
+        names = names[key.key]
+      return matrix_rank(names) >= 2 and math.prod(x.shape) > 0
+    return jax.tree_util.tree_map_with_path(flag, params)
+
+  return flags
 
 
 def _names_of(var: nnx.Variable) -> Names:

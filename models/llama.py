@@ -37,6 +37,9 @@ class LlamaConfig:
   rope_theta: float = 10000.0
   init_std: float = 0.02
   remat: bool = False
+  # The layers as one module of stacked parameters, run by `nnx.scan`:
+  # traced and compiled once, not once per layer.
+  scan_layers: bool = False
   attn_impl: str = 'xla'  # one of layers.ATTN_IMPLS.
   lora: lora_lib.LoraSpec | None = None  # adapters on these layers
   family: str = 'llama'
@@ -144,8 +147,13 @@ class Llama(nnx.Module):
     self.embed_tokens = nnx.Embed(
         cfg.vocab_size, cfg.d_model,
         embedding_init=layers.normal(cfg.init_std, ('vocab', 'embed')), **kw)
-    self.layers = nnx.List(
-        [DecoderLayer(cfg, **kw) for _ in range(cfg.n_layers)])
+    if cfg.scan_layers:
+      self.layers = layers.stack(
+          lambda rngs: DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype,
+                              rngs=rngs), cfg.n_layers, rngs)
+    else:
+      self.layers = nnx.List(
+          [DecoderLayer(cfg, **kw) for _ in range(cfg.n_layers)])
     self.norm = _rms_norm(cfg, **kw)
     self.lm_head = layers.linear(
         cfg.d_model, cfg.vocab_size, ('embed', 'vocab'), std=cfg.init_std,
@@ -157,8 +165,7 @@ class Llama(nnx.Module):
     layers.check_seq_len(tokens, self.cfg.max_seq_len)
     x = layers.run_unit(_embed, (self.embed_tokens,), tokens,
                         hook=param_hook)
-    for layer in self.layers:
-      x = layers.run_block(layer, x, self.cfg.remat, param_hook)
+    x = layers.run_blocks(self.layers, x, self.cfg.remat, param_hook)
     return layers.run_unit(functools.partial(_head, dtype=self.dtype),
                            (self.norm, self.lm_head), x, hook=param_hook)
 

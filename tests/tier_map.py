@@ -70,6 +70,7 @@ MODULE_TIERS = {
     'test_readme': UNIT,
     'test_resilience': INTEGRATION,
     'test_run_output': INTEGRATION,
+    'test_scan_layers': UNIT,  # two trainer runs marked integration
     'test_scape': UNIT,
     'test_scape_local_adam': UNIT,
     'test_step': UNIT,

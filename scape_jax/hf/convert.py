@@ -102,7 +102,7 @@ def _transposed(cfg: models.Config, path: str) -> bool:
 def to_hf_state(cfg: models.Config, params: Mapping) -> dict[str, np.ndarray]:
   """`transformers` state dict (numpy) from our params (a pure dict)."""
   state = {}
-  for path, value in _flatten(params).items():
+  for path, value in _flatten(models.unstack_blocks(cfg, params)).items():
     x = np.asarray(value)
     state[hf_name(cfg, path)] = np.ascontiguousarray(
         x.T if _transposed(cfg, path) else x)
@@ -162,6 +162,7 @@ def from_hf_state(cfg: models.Config, tensors: Mapping,
       tie_word_embeddings and 'model.embed_tokens.weight' in tensors):
     tensors['lm_head.weight'] = tensors['model.embed_tokens.weight']
   problems, flat, used = [], {}, set()
+  abstract_params = models.unstack_blocks(cfg, abstract_params)
   for path, want in _flatten(abstract_params).items():
     name = hf_name(cfg, path)
     x = tensors.get(name)
@@ -185,7 +186,7 @@ def from_hf_state(cfg: models.Config, tensors: Mapping,
         'the checkpoint does not fit the model:\n  ' +
         '\n  '.join(problems[:_SHOWN]) +
         (f'\n  ... and {more} more' if more > 0 else ''))
-  return _unflatten(flat)
+  return models.stack_blocks(cfg, _unflatten(flat))
 
 
 # ----------------------------------------------------------------------------
