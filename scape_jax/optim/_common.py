@@ -342,19 +342,24 @@ def at_density_level(step: Callable[..., Any], density_level,
 
 
 def compress_except(parts: Union[str, Sequence[str]],
-                    where: str = 'compress_except'):
+                    where: str = 'compress_except', matrices=None):
   """A `compress` for SCAPE that sends whole, besides the leaves of rank < 2
   (norms, biases), every leaf whose path (`jax.tree_util.keystr`) contains
-  one of `parts` (e.g. ['embed_tokens', 'lm_head'], or one str: one part);
-  None (the default) if `parts` holds no non-empty string. A part that
-  matches no leaf is a ValueError naming it and `where`."""
+  one of `parts` (e.g. ['embed_tokens', 'lm_head'], or one str: one part).
+  A part that matches no leaf is a ValueError naming it and `where`.
+  `matrices`, a callable `params -> tree of bools`, says which leaves have
+  rank >= 2 where ndim does not (`models.matrices`: a scanned model's
+  stacked norm scales are not matrices). None when neither is given."""
   named = leaves_named(parts, where)
-  if named is None:
+  if named is None and matrices is None:
     return None
 
   def compress(tree):
-    return jax.tree.map(lambda x, n: x.ndim >= 2 and x.size > 0 and not n,
-                        tree, named(tree))
+    ranked = (jax.tree.map(lambda x: x.ndim >= 2 and x.size > 0, tree)
+              if matrices is None else matrices(tree))
+    if named is None:
+      return ranked
+    return jax.tree.map(lambda r, n: bool(r) and not n, ranked, named(tree))
 
   return compress
 

@@ -7,9 +7,8 @@ A config file is a plain Python file that states only what it changes::
   optimizer = dict(name='scape', lr=3e-4, scape=dict(density=0.01))
   steps = 100_000
 
-It is executed in a fresh namespace and every top-level name that does not
-start with '_' (imported modules excluded) is applied onto `Config()`. Helper
-variables and functions in a config file must therefore start with '_'.
+It is executed in a fresh namespace; every top-level name not starting with
+'_' (imported modules excluded) is applied onto `Config()` (helpers: '_x').
 
 Command-line overrides are applied afterwards, in order::
 
@@ -53,8 +52,8 @@ class LoraConfig:
   """LoRA adapters (models/lora.py); on when `targets` names layers."""
   rank: int = 8  # Inner dimension of the adapters A [d_in, r], B [r, d_out].
   alpha: float = 16.0  # The update is scaled by alpha / rank.
-  # Layers inside a block that get adapters ('q_proj', 'mlp.c_fc', ...);
-  # empty: no LoRA. Their base weights (all but the adapters) are frozen.
+  # Layers inside a block that get adapters ('q_proj', 'mlp.c_fc', ...;
+  # empty: no LoRA); their base weights (all but the adapters) are frozen.
   targets: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -64,10 +63,10 @@ class ModelConfig:
   dtype: str = 'bfloat16'  # Compute dtype: one of DTYPES.
   param_dtype: str = 'float32'  # Parameter (master copy) dtype.
   remat: bool = False  # Rematerialise each block in the backward pass.
+  scan_layers: bool = False  # Blocks as one stacked module (nnx.scan).
   attn_impl: str = 'xla'  # One of ATTN_IMPLS; cudnn: flash attention on GPU.
-  # Token ids the embedding and output layer have; 0: the preset's. Set it
-  # for a tokenizer larger than the preset's vocabulary (e.g. 640 for a
-  # 600-token tokenizer: a multiple of 128 runs faster on accelerators).
+  # Token ids of the embedding and output layer; 0: the preset's. Set it for
+  # a tokenizer larger than the preset's vocabulary (e.g. 640 for 600 tokens).
   vocab_size: int = 0
   # A transformers GPT-2/Llama directory (config.json + model.safetensors):
   # a new run starts from its weights and takes its shape (preset ignored).
@@ -148,10 +147,9 @@ class Config:
   # (params and state unchanged); this many in a row stop the run.
   max_bad_steps: int = 10
   out_dir: str = 'runs/default'  # Checkpoints, metrics and plots.
-  # The directory of JAX's persistent compilation cache, from which a restart
-  # loads its compiled programs: relative to out_dir unless absolute (then
-  # runs may share it). 'auto': JAX's own if one is set
-  # (JAX_COMPILATION_CACHE_DIR), else out_dir/xla_cache.
+  # JAX's persistent compilation cache, from which a restart loads its
+  # programs: under out_dir unless absolute (runs may share it); 'auto':
+  # JAX_COMPILATION_CACHE_DIR if set, else out_dir/xla_cache.
   compile_cache: str = 'auto'
   # A device's peak FLOP/s in TFLOP/s, for the MFU the run reports; 0: from
   # the device kind (train/flops.py), none where it is not known (CPU).
@@ -527,6 +525,10 @@ def _fcdp_problems(cfg: Config) -> list[str]:
        f'group over several nodes (mesh.nodes > 1), got mesh.nodes={m.nodes}'),
       (not f.lora_aware or bool(lora.targets), 'fcdp.lora_aware needs LoRA: '
        'set model.lora.targets'),
+      (not (cfg.model.scan_layers and f.host_cache and f.hierarchical) or
+       cfg.model.remat, 'model.scan_layers with fcdp.host_cache and '
+       'fcdp.hierarchical needs model.remat=true (without it XLA:CPU aborts '
+       "in the scanned backward pass's collectives)"),
   ]
   checks += [(bool(lora.targets), f'model.lora.{k}={getattr(lora, k)} has no '
               'effect without model.lora.targets (LoRA is off: every '

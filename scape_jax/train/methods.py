@@ -50,6 +50,7 @@ class Context:
   axis_name: Any = DATA  # the data-parallel exchange axis (or axes)
   fsdp: bool = False  # parameters and gradients split over the fsdp group
   total_steps: int = 1  # steps in the run (schedules in fractions of it)
+  matrices: Any = None  # params -> bools, rank >= 2 (None: ndim's; layers)
 
 
 class Built(NamedTuple):
@@ -76,9 +77,7 @@ class MethodSpec:
   section: Optional[type] = None
   supports_fsdp: bool = False
   per_replica: bool = False
-  # Its exchange is the dense mean of the gradients, over any mesh axes
-  # (Pier's lazy start runs it over 'replica' and 'data' together).
-  dense: bool = False
+  dense: bool = False  # its exchange: the dense mean over any mesh axes
   stats: Callable[[Any], dict] = lambda opt_state: {}
   summary: str = ''  # one line for `--help`-style listings
   # (common keys, its section, total steps) -> a message per setting that
@@ -288,7 +287,8 @@ def _build_scape(cfg, section: ScapeConfig, lr, ctx) -> Built:
       weight_decay=cfg.weight_decay,
       clip_norm=cfg.clip_norm if cfg.clip_norm > 0 else None,
       axis_name=ctx.axis_name, compress=compress_except(
-          section.dense_leaves.split(','), 'optimizer.scape.dense_leaves'),
+          section.dense_leaves.split(','), 'optimizer.scape.dense_leaves',
+          ctx.matrices),
       mask_encoding=section.mask_encoding,
       select=section.select, **wire)
   tx = interleave_lib.interleave_named(
@@ -392,7 +392,7 @@ def _build_radius(cfg, section: RadiusConfig, lr, ctx) -> Built:
       select=section.select,
       b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
       clip_norm=cfg.clip_norm if cfg.clip_norm > 0 else None,
-      axis_name=ctx.axis_name)
+      axis_name=ctx.axis_name, compress=ctx.matrices)
   return Built(tx, lambda count: {'step_kind': schedule.kind(count)},
                state_key=lambda count: {  # masks chosen, residual in use
                    'resampled': count >= schedule.first_resample})

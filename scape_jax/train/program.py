@@ -154,7 +154,8 @@ def model_config(cfg: Config, init_from_config=None) -> models.Config:
   directory need not exist any more).
   """
   m = cfg.model
-  overrides = dict(remat=m.remat, attn_impl=m.attn_impl, lora=_lora(cfg))
+  overrides = dict(remat=m.remat, scan_layers=m.scan_layers,
+                   attn_impl=m.attn_impl, lora=_lora(cfg))
   if m.vocab_size and not m.init_from:  # (with init_from: a config error)
     overrides['vocab_size'] = m.vocab_size
   if m.init_from:
@@ -308,8 +309,9 @@ def build_program(cfg: Config, devices=None) -> Program:
   _check_select(cfg, devices[0].platform)
   layout = _layout(cfg, spec, mesh, devices, abstract_state, group_params)
   _check_batch(cfg, layout)
-  method = methods.build(cfg.optimizer, cfg.steps,
-                         methods.Context(sharding.DATA, fsdp=layout.fsdp > 1))
+  method = methods.build(cfg.optimizer, cfg.steps, methods.Context(
+      sharding.DATA, fsdp=layout.fsdp > 1, matrices=models.matrices(
+          nnx.to_pure_dict(models.logical_axes(abstract_state)))))
   trainable = layout.split(group_params)[0]
   try:
     with jax.set_mesh(mesh):
