@@ -251,7 +251,8 @@ def test_every_key_resumable_with_the_flag_keeps_the_state():
       ['--config.model.lora.targets=q_proj,v_proj'], {
           'model.lora.rank': 4, 'model.lora.targets': 'q_proj',
           'model.lora.alpha': 8.0, 'model.dtype': 'float32',
-          'model.remat': 'true', 'data.micro_batches': 2})
+          'model.remat': 'true', 'model.scan_layers': 'true',
+          'data.micro_batches': 2})
 
 
 def _fake_metrics(skipped):

@@ -64,7 +64,8 @@ STRUCTURAL_KEYS = ('optimizer.name', 'optimizer.diloco.inner',
                    'optimizer.scape.interleaved_leaves',
                    'optimizer.scape.local_adam', 'optimizer.radius.density',
                    'optimizer.radius.index_radius', 'model.preset',
-                   'model.vocab_size', 'model.param_dtype', 'model.lora.rank',
+                   'model.vocab_size', 'model.param_dtype',
+                   'model.scan_layers', 'model.lora.rank',
                    'model.lora.targets', 'mesh.', 'seed', 'data.seq_len',
                    'data.batch_size')
 # Paths compared as the files they name (a trailing slash, a relative path
