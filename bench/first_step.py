@@ -14,15 +14,16 @@ Three measurements, each a process per method, the methods in turn
   traced, lowered and compiled from abstract shapes on 32 simulated CPU
   devices: what a real run compiles before its first step;
 * the llama500m dry run (`--dry-run`, which compiles the steady-state step
-  from abstract shapes): the process's wall time.
+  from abstract shapes): the process's wall time, with the layers unrolled
+  and with `model.scan_layers=true` (one stacked leaf per block parameter).
 
-Writes docs/bench/first_step.{json,md}. With `--profile CONFIG`, instead,
-where the compile of that config's steady-state program goes (the program
-`--dry-run` compiles; with `--read-only` as it compiles it), AdamS then
-SCAPE in one process under `jax.profiler`: its trace, then XLA's phases
-and the kernels XLA:CPU generates, one per distinct fusion
-(`FusionCompiler::Compile`), to compile_profile.{json,md}. With
-`--device`, instead, on the machine's accelerator (its first device, a
+Writes docs/bench/first_step.{json,md}. With `--profile CONFIG [--set
+KEY=VALUE ...]`, instead, where the compile of that config's steady-state
+program goes (the program `--dry-run` compiles; with `--read-only` as it
+compiles it), AdamS then SCAPE in one process under `jax.profiler`: its
+trace, then XLA's phases and the kernels XLA:CPU generates, one per
+distinct fusion (`FusionCompiler::Compile`), to compile_profile.{json,md}.
+With `--device`, instead, on the machine's accelerator (its first device, a
 worker's share of llama500m's batch: `DEVICE`): llama500m's program before
 step 1, compiled in a fresh process (GPU: with cuDNN attention), to
 OUT/first_step_device.{json,md} (`bench/gpu_checks.sh` runs it). Not its
@@ -30,7 +31,8 @@ steady-state program: with one worker a chunk is a whole leaf, a program
 unlike a cluster worker's.
 
   python bench/first_step.py [--repeats 2] [--skip-dry-run]
-  python bench/first_step.py --profile configs/llama500m.py --read-only
+  python bench/first_step.py --profile configs/llama500m.py --read-only \
+      [--set model.scan_layers=true]
   python bench/first_step.py --device --repeats 1 --out runs/gpu
 """
 
@@ -145,9 +147,10 @@ def _compile_first(overrides: list) -> None:
 
 
 def dry_run(overrides: list) -> dict:
-  wall = _train(['--config', 'configs/llama500m.py', '--dry-run',
-                 *overrides], {'JAX_PLATFORMS': 'cpu'})
-  return {'wall_s': wall}
+  walls = [_train(['--config', 'configs/llama500m.py', '--dry-run',
+                   *overrides, f'--config.model.scan_layers={scan}'],
+                  {'JAX_PLATFORMS': 'cpu'}) for scan in ('false', 'true')]
+  return {'wall_s': walls[0], 'scan_wall_s': walls[1]}
 
 
 # --profile: (column, XLA profile event name prefix), seconds summed.
@@ -172,13 +175,15 @@ def profile_events(trace_dir: str) -> dict:
   return out
 
 
-def profile_compile(config: str, method: str, read_only: bool) -> dict:
-  """One method's steady program: trace, then lower and compile, profiled."""
+def profile_compile(config: str, method: str, read_only: bool,
+                    overrides: list = ()) -> dict:
+  """One method's steady program: trace, then lower and compile, profiled
+  (`overrides`: `--config.KEY=VALUE` strings, from `--set KEY=VALUE`)."""
   import jax  # pylint: disable=g-import-not-at-top
   from scape_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
   from scape_jax.train import program as program_lib  # pylint: disable=g-import-not-at-top
   program = program_lib.build_program(
-      config_lib.load(config, METHODS[method]), jax.devices())
+      config_lib.load(config, [*overrides, *METHODS[method]]), jax.devices())
   count, static, _ = program_lib.steady_count(program)
   t0 = time.perf_counter()
   traced = program.trace_step(count)
@@ -221,7 +226,8 @@ def _profile(parser, args) -> None:
   from scape_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
   from scape_jax.train import program as program_lib  # pylint: disable=g-import-not-at-top
   try:
-    need = program_lib.required_devices(config_lib.load(args.profile, []))
+    need = program_lib.required_devices(config_lib.load(args.profile,
+                                                       args.overrides))
   except (config_lib.ConfigError, FileNotFoundError) as e:
     parser.error(str(e))
   os.makedirs(args.out, exist_ok=True)
@@ -231,7 +237,8 @@ def _profile(parser, args) -> None:
     os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                                f' --xla_force_host_platform_device_count='
                                f'{need}').strip()
-  rows = [profile_compile(args.profile, m, args.read_only) for m in METHODS]
+  rows = [profile_compile(args.profile, m, args.read_only, args.overrides)
+          for m in METHODS]
   command = ' '.join(['python bench/first_step.py', *sys.argv[1:]])
   with open(os.path.join(args.out, 'compile_profile.json'), 'w') as f:
     json.dump({'command': command, 'rows': rows}, f, indent=1)
@@ -254,6 +261,7 @@ def _table(results: dict, command: str) -> str:
        'restart_to_first_step_s'),
       ('llama500m: the program before step 1', 'first_program_500m_s'),
       ('llama500m --dry-run (the steady-state program)', 'wall_s'),
+      ('llama500m --dry-run, model.scan_layers=true', 'scan_wall_s'),
       ('llama500m on one device: the program before step 1',
        'device_first_s')):
     got = {m: [r[key] for r in results[m] if key in r] for m in METHODS}
@@ -286,9 +294,14 @@ def main():
                       'compile (a config file or preset)')
   parser.add_argument('--read-only', action='store_true',
                       help='--profile: compile as --dry-run does')
+  parser.add_argument('--set', nargs='*', default=[], metavar='KEY=VALUE',
+                      help='--profile: change a config key')
   parser.add_argument('--out', default=OUT,
                       help='output directory (default docs/bench)')
   args = parser.parse_args()
+  args.overrides = [f'--config.{item}' for item in args.set]
+  if args.set and not args.profile:
+    parser.error('--set: only with --profile CONFIG')
   if args.repeats < 1:
     parser.error(f'--repeats={args.repeats}: must be >= 1')
   if args.read_only and not args.profile:

@@ -49,6 +49,8 @@ USAGE_ERRORS = [
      'do not split into mesh.replica=2'),
     ('first_step', ['--profile', '{missing}'], 'neither a config file nor'),
     ('first_step', ['--read-only'], '--read-only: only with --profile'),
+    ('first_step', ['--set', 'model.scan_layers=true'],
+     '--set: only with --profile'),
 ]
 
 
