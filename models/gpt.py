@@ -136,13 +136,11 @@ class GPT(nnx.Module):
     self.wpe = nnx.Embed(
         cfg.max_seq_len, cfg.d_model,
         embedding_init=layers.normal(cfg.init_std, ('pos', 'embed')), **kw)
-    if cfg.scan_layers:
-      self.h = layers.stack(
-          lambda rngs: Block(cfg, dtype=dtype, param_dtype=param_dtype,
-                              rngs=rngs), cfg.n_layers, rngs)
-    else:
-      self.h = nnx.List(
-          [Block(cfg, **kw) for _ in range(cfg.n_layers)])
+    block = functools.partial(Block, cfg, dtype=dtype,
+                              param_dtype=param_dtype)
+    self.h = (
+        layers.stack(block, cfg.n_layers, rngs) if cfg.scan_layers else
+        nnx.List([block(rngs=rngs) for _ in range(cfg.n_layers)]))
     self.ln_f = _layer_norm(cfg, **kw)
 
   def __call__(self, tokens: jax.Array, *,

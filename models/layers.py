@@ -194,13 +194,13 @@ def run_block(block: nnx.Module, x: jax.Array, remat: bool,
   return run_unit(_call, (block,), x, remat=remat, hook=hook)
 
 
-def stack(make: Callable[[nnx.Rngs], nnx.Module], n: int,
+def stack(make: Callable[..., nnx.Module], n: int,
           rngs: nnx.Rngs) -> nnx.Module:
-  """`n` modules `make(rngs)` as one whose parameters are stacked along a
-  leading axis named `LAYERS`: the same initial values as the `n` modules
+  """`n` modules `make(rngs=rngs)` as one whose parameters are stacked along
+  a leading axis named `LAYERS`: the same initial values as the `n` modules
   made in turn (a list of them), so that a scanned model starts where the
   unrolled one does."""
-  blocks = [make(rngs) for _ in range(n)]
+  blocks = [make(rngs=rngs) for _ in range(n)]
   graphdef = nnx.graphdef(blocks[0])
 
   def stacked(*variables: nnx.Variable) -> nnx.Variable:

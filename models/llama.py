@@ -147,13 +147,11 @@ class Llama(nnx.Module):
     self.embed_tokens = nnx.Embed(
         cfg.vocab_size, cfg.d_model,
         embedding_init=layers.normal(cfg.init_std, ('vocab', 'embed')), **kw)
-    if cfg.scan_layers:
-      self.layers = layers.stack(
-          lambda rngs: DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype,
-                              rngs=rngs), cfg.n_layers, rngs)
-    else:
-      self.layers = nnx.List(
-          [DecoderLayer(cfg, **kw) for _ in range(cfg.n_layers)])
+    block = functools.partial(DecoderLayer, cfg, dtype=dtype,
+                              param_dtype=param_dtype)
+    self.layers = (
+        layers.stack(block, cfg.n_layers, rngs) if cfg.scan_layers else
+        nnx.List([block(rngs=rngs) for _ in range(cfg.n_layers)]))
     self.norm = _rms_norm(cfg, **kw)
     self.lm_head = layers.linear(
         cfg.d_model, cfg.vocab_size, ('embed', 'vocab'), std=cfg.init_std,

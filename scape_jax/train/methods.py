@@ -50,7 +50,7 @@ class Context:
   axis_name: Any = DATA  # the data-parallel exchange axis (or axes)
   fsdp: bool = False  # parameters and gradients split over the fsdp group
   total_steps: int = 1  # steps in the run (schedules in fractions of it)
-  matrices: Any = None  # params -> bools, rank >= 2 (None: ndim's; layers)
+  matrices: Any = None  # params -> bools: the leaves of rank >= 2 (or ndim)
 
 
 class Built(NamedTuple):
