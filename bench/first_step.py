@@ -12,7 +12,8 @@ Three measurements, each a process per method, the methods in turn
   cache (out_dir/xla_cache): its seconds to its first step;
 * llama500m's program before step 1 (the first of the density warmup),
   traced, lowered and compiled from abstract shapes on 32 simulated CPU
-  devices: what a real run compiles before its first step;
+  devices: what a real run compiles before its first step (unrolled and
+  with `model.scan_layers=true`);
 * the llama500m dry run (`--dry-run`, which compiles the steady-state step
   from abstract shapes): the process's wall time, with the layers unrolled
   and with `model.scan_layers=true` (one stacked leaf per block parameter).
@@ -109,16 +110,21 @@ def _rows(out_dir: str) -> list:
 def first_program(overrides: list) -> dict:
   """llama500m's program before step 1, compiled from abstract shapes in a
   fresh process on 32 simulated CPU devices (`_compile_first`): its
-  seconds."""
-  return {'first_program_500m_s': _compile_in_child(
-      overrides, JAX_PLATFORMS='cpu',
-      XLA_FLAGS='--xla_force_host_platform_device_count=32')}
+  seconds, with the layers unrolled and scanned."""
+  return {key: _compile_in_child(
+      overrides + [f'--config.model.scan_layers={scan}'], JAX_PLATFORMS='cpu',
+      XLA_FLAGS='--xla_force_host_platform_device_count=32')
+          for key, scan in (('first_program_500m_s', 'false'),
+                            ('scan_first_program_500m_s', 'true'))}
 
 
 def device_first_program(overrides: list) -> dict:
   """llama500m's program before step 1 on the first device of the default
-  backend, in a fresh process."""
-  return {'device_first_s': _compile_in_child(overrides + DEVICE)}
+  backend, in a fresh process, unrolled and scanned."""
+  return {key: _compile_in_child(
+      overrides + DEVICE + [f'--config.model.scan_layers={scan}'])
+          for key, scan in (('device_first_s', 'false'),
+                            ('scan_device_first_s', 'true'))}
 
 
 def _compile_in_child(overrides: list, **env) -> float:
@@ -260,10 +266,14 @@ def _table(results: dict, command: str) -> str:
       ('demo: restart to first step (compile cache)',
        'restart_to_first_step_s'),
       ('llama500m: the program before step 1', 'first_program_500m_s'),
+      ('llama500m: the program before step 1, model.scan_layers=true',
+       'scan_first_program_500m_s'),
       ('llama500m --dry-run (the steady-state program)', 'wall_s'),
       ('llama500m --dry-run, model.scan_layers=true', 'scan_wall_s'),
       ('llama500m on one device: the program before step 1',
-       'device_first_s')):
+       'device_first_s'),
+      ('llama500m on one device: the program before step 1, scanned',
+       'scan_device_first_s')):
     got = {m: [r[key] for r in results[m] if key in r] for m in METHODS}
     if not all(got.values()):
       continue
