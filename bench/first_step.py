@@ -272,8 +272,8 @@ def _table(results: dict, command: str) -> str:
       ('llama500m --dry-run, model.scan_layers=true', 'scan_wall_s'),
       ('llama500m on one device: the program before step 1',
        'device_first_s'),
-      ('llama500m on one device: the program before step 1, scanned',
-       'scan_device_first_s')):
+      ('llama500m on one device: the program before step 1, '
+       'model.scan_layers=true', 'scan_device_first_s')):
     got = {m: [r[key] for r in results[m] if key in r] for m in METHODS}
     if not all(got.values()):
       continue
