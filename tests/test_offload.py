@@ -220,6 +220,22 @@ def test_an_algorithm_1_checkpoint_resumes_in_the_distributed_mode(
   assert isinstance(state['opt'][0], scape_jax.ScaleByScapeDistState)
 
 
+@pytest.mark.parametrize('extra', [
+    ('--config.optimizer.scape.dense_leaves=embed_tokens',),
+    ('--config.model.scan_layers=true',)])  # its stacked norms stay dense
+def test_the_mode_conversion_keeps_the_states_dense_leaves(corpus, tmp_path,
+                                                           extra):
+  """The conversion compresses the leaves the saved state compressed, not
+  those of the default rank rule."""
+  straight = trainer.train(_cfg(corpus, tmp_path / 'a', False, *extra))
+  _resume_from(tmp_path / 'a', tmp_path / 'b', 2)
+  resumed = trainer.train(_cfg(corpus, tmp_path / 'b', False, *extra,
+                               '--config.optimizer.scape.distributed=true'))
+  assert resumed['start_step'] == 2
+  np.testing.assert_allclose(resumed['losses'], straight['losses'][2:],
+                             rtol=1e-6)
+
+
 def test_a_damaged_newest_checkpoint_of_the_other_mode_is_set_aside(
     corpus, plain, tmp_path):
   """Converting modes falls back past a corrupt checkpoint as a plain resume

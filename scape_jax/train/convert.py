@@ -12,6 +12,7 @@ read with the other mode's layout and converted (`optim.scape_to_dist`,
 import dataclasses
 
 import jax
+import optax
 
 from scape_jax.optim import _memory
 from scape_jax.optim import _scape
@@ -33,12 +34,21 @@ def _flipped(cfg):
   return dataclasses.replace(cfg, optimizer=optimizer)
 
 
+def _compressed(state):
+  """The `compress` tree a SCAPE state was made with: its dense leaves hold
+  `optax.MaskedNode()` in `mask` (`dense_leaves`, a scanned model's stacked
+  norm scales: not the default rank rule)."""
+  return jax.tree.map(lambda m: not isinstance(m, optax.MaskedNode),
+                      state.mask,
+                      is_leaf=lambda m: isinstance(m, optax.MaskedNode))
+
+
 def convert_opt_state(opt_state, params, to_dist: bool):
   """Every SCAPE state inside `opt_state` converted to the other mode."""
   convert = _scape_dist.scape_to_dist if to_dist else _scape_dist.dist_to_scape
   return jax.tree.map(
-      lambda s: convert(s, params) if _is_scape_state(s) else s, opt_state,
-      is_leaf=_is_scape_state)
+      lambda s: convert(s, params, _compressed(s)) if _is_scape_state(s)
+      else s, opt_state, is_leaf=_is_scape_state)
 
 
 def converts_modes(optimizer_name: str) -> bool:
