@@ -10,7 +10,7 @@
 #    SELECTS (default 'sort'), and SCAPE's local-Adam mode;
 # 2. tests/test_gpu.py (the Pallas kernels against their references);
 # 3. bench/first_step.py --device: llama500m's program before step 1,
-#    SCAPE's and AdamS's compile on the GPU.
+#    SCAPE's and AdamS's compile on the GPU, unrolled and scanned.
 # OUT (default runs/gpu) gets the tables, each step's log and gpu_checks.tgz.
 set -u
 out=${1:-${OUT:-runs/gpu}}
