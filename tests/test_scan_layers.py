@@ -19,7 +19,6 @@ from scape_jax import hf
 from scape_jax import train as trainer
 from scape_jax.optim import compress_except
 from scape_jax.train import config as config_lib
-from scape_jax.train import program as program_lib
 from tests.tiny_runs import run_config
 
 TINY = ('gpt-tiny', 'llama-tiny')
@@ -143,11 +142,9 @@ def test_scape_on_a_scanned_model_keeps_the_norm_scales_dense(corpus,
   cfg = run_config(corpus, tmp_path, '--config.steps=1',
                    '--config.optimizer.name=scape',
                    '--config.model.scan_layers=true')
-  program = program_lib.build_program(cfg, jax.devices())
-  state = next(s for s in jax.tree.leaves(
-      program.abstract_opt,
-      is_leaf=lambda x: isinstance(x, scape_jax.ScaleByScapeState))
-               if isinstance(s, scape_jax.ScaleByScapeState))
+  program = trainer.build_program(cfg)
+  state = program.abstract_opt[0]
+  assert isinstance(state, scape_jax.ScaleByScapeState)
   layers = state.residual['layers']
   is_dense = lambda x: isinstance(x, optax.MaskedNode)
   assert is_dense(layers['input_layernorm']['scale'])
