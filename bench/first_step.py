@@ -107,24 +107,27 @@ def _rows(out_dir: str) -> list:
   return read_jsonl(os.path.join(out_dir, 'metrics.jsonl'))
 
 
+def _unrolled_and_scanned(key: str, seconds) -> dict:
+  """{key: seconds(unrolled), 'scan_' + key: seconds(scanned)}, `seconds`
+  taking the `model.scan_layers` override."""
+  return {prefix + key: seconds([f'--config.model.scan_layers={scan}'])
+          for prefix, scan in (('', 'false'), ('scan_', 'true'))}
+
+
 def first_program(overrides: list) -> dict:
   """llama500m's program before step 1, compiled from abstract shapes in a
   fresh process on 32 simulated CPU devices (`_compile_first`): its
   seconds, with the layers unrolled and scanned."""
-  return {key: _compile_in_child(
-      overrides + [f'--config.model.scan_layers={scan}'], JAX_PLATFORMS='cpu',
-      XLA_FLAGS='--xla_force_host_platform_device_count=32')
-          for key, scan in (('first_program_500m_s', 'false'),
-                            ('scan_first_program_500m_s', 'true'))}
+  return _unrolled_and_scanned('first_program_500m_s', lambda scan: (
+      _compile_in_child(overrides + scan, JAX_PLATFORMS='cpu',
+                        XLA_FLAGS='--xla_force_host_platform_device_count=32')))
 
 
 def device_first_program(overrides: list) -> dict:
   """llama500m's program before step 1 on the first device of the default
   backend, in a fresh process, unrolled and scanned."""
-  return {key: _compile_in_child(
-      overrides + DEVICE + [f'--config.model.scan_layers={scan}'])
-          for key, scan in (('device_first_s', 'false'),
-                            ('scan_device_first_s', 'true'))}
+  return _unrolled_and_scanned('device_first_s', lambda scan: (
+      _compile_in_child(overrides + DEVICE + scan)))
 
 
 def _compile_in_child(overrides: list, **env) -> float:
@@ -153,10 +156,10 @@ def _compile_first(overrides: list) -> None:
 
 
 def dry_run(overrides: list) -> dict:
-  walls = [_train(['--config', 'configs/llama500m.py', '--dry-run',
-                   *overrides, f'--config.model.scan_layers={scan}'],
-                  {'JAX_PLATFORMS': 'cpu'}) for scan in ('false', 'true')]
-  return {'wall_s': walls[0], 'scan_wall_s': walls[1]}
+  """llama500m's dry run: its wall time, unrolled and scanned."""
+  return _unrolled_and_scanned('wall_s', lambda scan: _train(
+      ['--config', 'configs/llama500m.py', '--dry-run', *overrides, *scan],
+      {'JAX_PLATFORMS': 'cpu'}))
 
 
 # --profile: (column, XLA profile event name prefix), seconds summed.
