@@ -244,14 +244,13 @@ def _trainable(cfg: Config, abstract_state):
 
 
 def _layout(cfg: Config, spec: methods.MethodSpec, mesh, devices,
-            abstract_state, abstract_params) -> sharding.Layout:
+            abstract_state, abstract_params, axes) -> sharding.Layout:
   fsdp = sharding.mesh.fsdp_size(mesh)
   if fsdp > 1 and not spec.supports_fsdp:
     allowed = [n for n, s in methods.REGISTRY.items() if s.supports_fsdp]
     raise ConfigError(f'mesh.fsdp={fsdp}: optimizer.name={spec.name!r} does '
                       f'not run on the fsdp layout; methods that do: '
                       f'{", ".join(allowed)}.')
-  axes = nnx.to_pure_dict(models.logical_axes(abstract_state))
   if spec.per_replica and mesh.size != len(devices):
     shape = ' x '.join(f'mesh.{k}={v}' for k, v in mesh.shape.items())
     raise ConfigError(
@@ -307,11 +306,12 @@ def build_program(cfg: Config, devices=None) -> Program:
   spec = methods.get(cfg.optimizer.name)
   devices = devices or jax.devices()
   _check_select(cfg, devices[0].platform)
-  layout = _layout(cfg, spec, mesh, devices, abstract_state, group_params)
+  axes = nnx.to_pure_dict(models.logical_axes(abstract_state))
+  layout = _layout(cfg, spec, mesh, devices, abstract_state, group_params,
+                   axes)
   _check_batch(cfg, layout)
   method = methods.build(cfg.optimizer, cfg.steps, methods.Context(
-      sharding.DATA, fsdp=layout.fsdp > 1, matrices=models.matrices(
-          nnx.to_pure_dict(models.logical_axes(abstract_state)))))
+      sharding.DATA, fsdp=layout.fsdp > 1, matrices=models.matrices(axes)))
   trainable = layout.split(group_params)[0]
   try:
     with jax.set_mesh(mesh):
