@@ -7,7 +7,6 @@ passes over the chunk (`topk._Passes`: jnp or Pallas kernels) narrow it
 pass (docs/design.md, "Fast exact selection").
 """
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -212,28 +211,21 @@ def _candidates(passes, b: Bracket, k, counts):
 def _locate(counts: jax.Array, need) -> tuple:
   """(i, sum(counts[:i])) for the first i with sum(counts[:i + 1]) >= need.
 
-  Without a cumulative sum over the whole vector: the n entries are cut
-  into groups of about sqrt(n), the group is located among the group sums,
-  then the entry inside it, each by a triangular sum (two levels at any n:
-  few kernels to compile).
+  Without a cumulative sum over the whole vector: groups of ROW entries are
+  summed, the group is located among the group sums, then the entry inside
+  it, each by a ROW x ROW triangular sum.
   """
   n = counts.shape[0]
-  if n <= ROW:
-    return _prefix_locate(counts, need)
-  size = math.isqrt(n - 1) + 1  # groups of `size`, at most `size` of them
-  groups = jnp.pad(counts, (0, -n % size)).reshape(-1, size)
-  group, before = _prefix_locate(jnp.sum(groups, axis=1), need)
-  inner, more = _prefix_locate(
-      jax.lax.dynamic_index_in_dim(groups, group, 0, False), need - before)
-  return group * size + inner, before + more
-
-
-def _prefix_locate(counts: jax.Array, need) -> tuple:
-  """`_locate` by one triangular sum over the (short) vector."""
-  n = counts.shape[0]
-  index = jnp.arange(n)
-  prefix = jnp.sum(jnp.where(index[None, :] <= index[:, None],
-                             counts[None, :], 0), axis=1)  # inclusive
+  if n > ROW:
+    groups = jnp.pad(counts, (0, -n % ROW)).reshape(-1, ROW)
+    group, before = _locate(jnp.sum(groups, axis=1), need)
+    inner, more = _locate(jax.lax.dynamic_index_in_dim(groups, group, 0,
+                                                       False), need - before)
+    return group * ROW + inner, before + more
+  counts = jnp.pad(counts, (0, ROW - n))
+  lane = jnp.arange(ROW)
+  prefix = jnp.sum(jnp.where(lane[None, :] <= lane[:, None], counts[None, :],
+                             0), axis=1)  # inclusive
   i = jnp.sum(prefix < need).astype(jnp.int32)
   return i, jnp.where(i > 0, prefix[jnp.maximum(i - 1, 0)], 0)
 
