@@ -302,6 +302,24 @@ def test_rejects_bad_select_and_width():
     topk.chunk_topk_words(jnp.ones(8), 8, 9, 2)
 
 
+@pytest.mark.parametrize('n', [1, 127, 128, 129, 5000, 16_385, 70_001])
+def test_locate_matches_numpy(n):
+  # The first i whose inclusive prefix sum reaches `need`, and the sum
+  # before it: one level up to 128 entries, then groups of 128 (three
+  # levels past 128 * 128), with zeros, prefixes equal to `need`, the last.
+  rng = np.random.default_rng(n)
+  counts = np.where(rng.random(n) < 0.3, 0, rng.integers(0, 129, n))
+  counts[-1] = 1
+  prefix = np.cumsum(counts)
+  needs = {1, int(prefix[-1]), int(prefix[n // 2]), int(prefix[n // 2]) + 1}
+  locate = jax.jit(search._locate)
+  for need in sorted(v for v in needs if 1 <= v <= prefix[-1]):
+    i, before = locate(jnp.asarray(counts, jnp.int32), jnp.int32(need))
+    want = int(np.argmax(prefix >= need))
+    assert (int(i), int(before)) == (want, int(prefix[want] - counts[want])), (
+        need)
+
+
 def test_chunk_over_two_million_takes_the_grouped_paths():
   # Past 128 * 128 rows of 128 (2**21 entries) `_locate` finds a tie's row
   # group by group (its long path): a chunk of llama-100m's size class at
