@@ -7,6 +7,7 @@ the update"). Each test compiles a step, checks that it has no such copy,
 and that the copy comes back with the fix patched out, so that it can fail.
 """
 
+import functools
 import re
 from unittest import mock
 
@@ -17,6 +18,7 @@ import pytest
 
 import scape_jax
 from scape_jax.comm import masks
+from scape_jax.optim import _scape
 from tests.mesh_runner import MeshRunner, random_params
 
 
@@ -63,6 +65,42 @@ def test_scape_writes_the_residual_into_m_tilde(n):
     # scatters share (level d = 0.1 alone: one branch to compile).
     assert step_copies(tx, params, n, 'density_level', 1,
                        **f32) == [393216] * 3
+
+
+def donated_update_copies(tx, params, level: int):
+  """`copies` (f32) of `tx.update` at `density_level=level`, jitted on one
+  device with its state donated, as a single-device training loop does."""
+  state = tx.init(params)
+  update = functools.partial(tx.update, density_level=level)
+  text = jax.jit(update, donate_argnums=(1,)).lower(
+      params, state, params).compile().as_text()
+  return copies(text, ('f32',))
+
+
+def test_scape_donated_residual_stays_in_its_buffer():
+  """With the state donated, m~ is written into the residual's buffer and
+  the residual (m~ with M overwritten) stays there: no copy of any leaf.
+  With m~ computed in the parameter's shape (`mt + e[0]`, as before), XLA
+  copied the residual into the donated buffer at the end, once per
+  compressed leaf."""
+  params = random_params({'w': (1024, 512), 'v': (512, 768), 'b': (256,)})
+  tx = scape_jax.scape(1e-3, density=0.1, axis_name=None)
+  assert donated_update_copies(tx, params, 1) == []
+
+  def in_parameter_shape(grads, mu, residual, plan, b1, count, k_now):
+    one = jnp.where(count >= 0, 1.0, 2.0).astype(jnp.float32)
+    moment = []
+    for j, (g, m, e) in enumerate(zip(grads, mu, residual)):
+      mt = b1 * m + (1.0 - b1) * g
+      if plan.layouts[j] is not None:
+        mt = mt + e[0]
+        if _scape._stores_moment(plan, j, k_now[j]):
+          mt = mt / one
+      moment.append(mt)
+    return moment
+
+  with mock.patch.object(_scape, '_semi_updated_moment', in_parameter_shape):
+    assert donated_update_copies(tx, params, 1) == [393216, 524288]
 
 
 def test_radius_sparse_step():

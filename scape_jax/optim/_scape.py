@@ -241,15 +241,19 @@ def _semi_updated_moment(grads, mu, residual, plan, b1, count, k_now):
   cannot fold (from `count`): a division is costly enough that XLA stores
   m~ once, where it would otherwise recompute it from three arrays in each
   full-size consumer (`bench/optimizer_overhead.py`). x / 1 is exact.
+  m~ is computed in the residual's own shape [1, *shape], so that with the
+  state donated XLA writes it, and the residual after it (`masks.set_at`),
+  into e's buffer instead of copying the residual there at the end.
   """
   one = jnp.where(count >= 0, 1.0, 2.0).astype(jnp.float32)
   moment = []
   for j, (g, m, e) in enumerate(zip(grads, mu, residual)):
     mt = b1 * m + (1.0 - b1) * g
     if plan.layouts[j] is not None:
-      mt = mt + e[0]
+      mt = mt[None] + e
       if _stores_moment(plan, j, k_now[j]):
         mt = mt / one
+      mt = mt[0]
     moment.append(mt)
   return moment
 
