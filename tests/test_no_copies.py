@@ -80,9 +80,8 @@ def donated_update_copies(tx, params, level: int):
 def test_scape_donated_residual_stays_in_its_buffer():
   """With the state donated, m~ is written into the residual's buffer and
   the residual (m~ with M overwritten) stays there: no copy of any leaf.
-  With m~ computed in the parameter's shape (`mt + e[0]`, as before), XLA
-  copied the residual into the donated buffer at the end, once per
-  compressed leaf."""
+  With m~ computed in the parameter's shape (`mt + e[0]`), XLA copies the
+  residual into the donated buffer at the end, once per compressed leaf."""
   params = random_params({'w': (1024, 512), 'v': (512, 768), 'b': (256,)})
   tx = scape_jax.scape(1e-3, density=0.1, axis_name=None)
   assert donated_update_copies(tx, params, 1) == []
