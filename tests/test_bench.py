@@ -44,10 +44,10 @@ def test_measured_llama_tiny_matches_analytic(comm_volume):
   assert row['analytic'] == pytest.approx(an['bytes'])
   assert row['measured_bytes'] == pytest.approx(an['bytes'], rel=0.05)
   assert row['by_kind']['all-gather'] == pytest.approx(an['mask_bytes'])
-  # The all-reduce also carries the train step's 3-float metrics pmean
-  # (loss, squared gradient norm, non-finite count).
+  # The all-reduce also carries the train step's 2-float metrics pmean
+  # (loss, squared gradient norm).
   assert row['by_kind']['all-reduce'] == pytest.approx(
-      an['payload_bytes'] + analysis.ring_all_reduce_bytes(3 * 4, 8))
+      an['payload_bytes'] + analysis.ring_all_reduce_bytes(2 * 4, 8))
 
 
 def test_outer_table_amortises_the_sync_over_r(comm_volume):

@@ -205,6 +205,21 @@ def test_cond_branch_flagged():
   assert 'INCOMPLETE' in analysis.format_table([c])
 
 
+def test_cond_under_the_taken_scope_counted_once():
+  """The train step's update branch (`TAKEN_SCOPE`) counts as taken; the
+  same cond outside it stays unknown."""
+  from scape_jax.comm.collectives import TAKEN_SCOPE  # pylint: disable=g-import-not-at-top
+
+  def f(x):
+    with jax.named_scope(TAKEN_SCOPE):
+      return lax.cond(x[0] > 0, lambda c: lax.psum(c, 'data'),
+                      lambda c: c * 2, x)
+  c = _one(analysis.collectives(_smap(f), _sds((128,))))
+  assert (c.kind, c.count, c.note) == ('all-reduce', 1, '')
+  assert c.bytes_sent == analysis.ring_all_reduce_bytes(16 * 4, 8)  # a shard
+  assert 'INCOMPLETE' not in analysis.format_table([c])
+
+
 # --------------------------------------------------------------------------
 # Parser on handwritten HLO.
 

@@ -170,14 +170,14 @@ def test_bytes_of_the_inner_sync_and_lazy_programs():
   # Inner: the dense exchange within the group of 4; nothing over groups.
   assert params <= _reduced(cols['inner'], 4) <= params + 3
   assert _reduced(cols['inner'], 2) == 0
-  # The metrics pmean: loss, squared gradient norm, non-finite count.
-  assert _reduced(cols['inner'], 8) <= 3
+  # The metrics pmean: loss and squared gradient norm.
+  assert _reduced(cols['inner'], 8) <= 2
   # Sync: the same, plus one mean of the parameters over the 2 groups.
   assert _reduced(cols['sync'], 4) == _reduced(cols['inner'], 4)
   assert _reduced(cols['sync'], 2) == params
   assert len([c for c in cols['sync'] if c.group_size == 2]) == 1  # one op
   # Lazy start: the exchange over all 8 workers.
-  assert params <= _reduced(cols['lazy'], 8) <= params + 3
+  assert params <= _reduced(cols['lazy'], 8) <= params + 2
   assert _reduced(cols['lazy'], 4) == _reduced(cols['lazy'], 2) == 0
 
 

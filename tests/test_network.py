@@ -126,8 +126,8 @@ def test_two_workers_over_a_shaped_link(namespaces, tmp_path):
   assert all('tbf' in q['kinds'] for q in json.loads(
       (job / 'qdisc.json').read_text()))
   # The kernel's counts against the HLO's bytes: the dense ring all-reduce
-  # and the metrics' (it follows the update: it carries the non-finite count
-  # of the new parameters, so XLA cannot combine the two).
+  # and the metrics' (it decides whether the update runs, so XLA cannot
+  # combine the two).
   hlo = metrics[STEPS]['comm_bytes']
   ((_, cols),) = runs.collective_tables(str(job / 'worker0.log'))
   assert hlo > 0 and [c.kind for c in cols] == ['all-reduce'] * 2

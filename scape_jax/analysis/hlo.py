@@ -15,7 +15,10 @@ Collectives inside `while` bodies are multiplied by the trip count XLA
 recorded (`known_trip_count`), through nested loops. When that is missing, or
 a collective sits in a `conditional` branch, its count is `None`: it is listed
 with a note, left out of the totals, and `format_table` says the total is
-incomplete. So is a collective of a kind not priced here (`UNPRICED`, e.g.
+incomplete. The one exception is a conditional traced under the name scope
+`comm.collectives.TAKEN_SCOPE`: the train step's update, which runs unless
+the step is skipped (`train.step`); its branches count once, so the bytes
+are an applied step's. So is a collective of a kind not priced here (`UNPRICED`, e.g.
 `send`): nothing is guessed.
 
 A collective the compiler widened is priced at the width the program asked
@@ -37,6 +40,7 @@ import jax
 import numpy as np
 
 from scape_jax.analysis import cost
+from scape_jax.comm.collectives import TAKEN_SCOPE
 
 KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all',
          'collective-permute')
@@ -355,7 +359,8 @@ class _Module:
               edge = ('loop', None if ins.trip is None else ins.trip + 1)
             elif key in ('branch_computations', 'true_computation',
                          'false_computation'):
-              edge = ('branch', None)
+              edge = (('call', 1) if TAKEN_SCOPE in ins.op_name.split('/')
+                      else ('branch', None))
             else:
               edge = ('call', 1)
             self.callers[callee].append((comp,) + edge)

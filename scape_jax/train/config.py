@@ -143,8 +143,8 @@ class Config:
   eval_batches: int = 8  # Batches of the validation split per evaluation.
   ckpt_every: int = 0  # Steps between checkpoints; 0: only at the end.
   keep_checkpoints: int = 3  # The newest this many are kept.
-  # A step whose loss, gradient norm or update is not finite is skipped
-  # (params and state unchanged); this many in a row stop the run.
+  # A step whose loss or gradient norm is not finite is skipped (params and
+  # state unchanged); this many in a row stop the run.
   max_bad_steps: int = 10
   out_dir: str = 'runs/default'  # Checkpoints, metrics and plots.
   # JAX's persistent compilation cache, from which a restart loads its

@@ -121,8 +121,8 @@ class InFlightSteps:
       first = step - self.in_a_row + 1
       raise DivergedError(
           f'training diverged: steps {first}..{step} ({self.in_a_row} in a '
-          f'row, max_bad_steps={self._max_bad}) had a non-finite loss, '
-          f'gradient norm or update. Each was skipped, so the parameters (and '
+          f'row, max_bad_steps={self._max_bad}) had a non-finite loss '
+          f'or gradient norm. Each was skipped, so the parameters (and '
           f'any checkpoint saved since) are those after step {first - 1}. '
           'Resume from the last checkpoint with a lower optimizer.lr (or '
           'clip_norm) and --allow-config-change, or raise max_bad_steps.')

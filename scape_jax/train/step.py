@@ -7,10 +7,12 @@ where parameters live: replicated, split over the fsdp group (gathered per
 unit, with FCDP's switches), or one copy per replica group, and which are
 frozen (`scape_jax.sharding.layout`).
 
-A step whose loss, gradient norm or updated parameters are not finite on any
-worker is skipped: it returns the incoming parameters and optimizer state
-(every method's, per-worker state included) and reports `skipped = 1`. The
-decision comes out of the metrics' `pmean`, so it is the same on every worker.
+A step whose loss or gradient norm is not finite on any worker is skipped:
+the update does not run, the step returns the incoming parameters and
+optimizer state (every method's, per-worker state included) and reports
+`skipped = 1`. The decision comes out of the metrics' `pmean` before the
+update, so it is the same on every worker, and the update is a branch
+(`lax.cond`) that writes into the donated buffers.
 """
 
 from typing import Any, Callable, Optional, Sequence
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from scape_jax.comm.collectives import global_norm, varying
+from scape_jax.comm.collectives import TAKEN_SCOPE, global_norm, varying
 from scape_jax.optim import _memory as memory
 from scape_jax.sharding.layout import Layout
 from scape_jax.sharding.mesh import DATA, FSDP_AXES
@@ -71,29 +73,8 @@ def local_value_and_grad(loss_fn, params, batch, micro_batches: int = 1,
   return loss / micro_batches, grads
 
 
-def _non_finite_count(tree) -> jax.Array:
-  """Non-finite entries of this worker's floating leaves of `tree` (fp32)."""
-  counts = [jnp.sum(~jnp.isfinite(x), dtype=jnp.float32)
-            for x in jax.tree.leaves(tree)
-            if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return sum(counts, jnp.zeros([], jnp.float32))
-
-
-def keep_if(ok: jax.Array, new, old):
-  """`new` where the scalar `ok` holds, else `old`, leaf by leaf.
-
-  An elementwise select, not a branch: the step stays one program and the
-  donated buffers are still reused (`tests/test_step.py` checks both).
-  Leaves in host memory (offloaded state) are selected on the device and
-  returned to host memory, where they came from.
-  """
-  def one(n, o):
-    if not (memory.on_host(n) or memory.on_host(o)):
-      return jnp.where(ok, n, o)
-    chosen = jnp.where(ok, memory.to_device(n), memory.to_device(o))
-    return jax.device_put(chosen, jax.memory.Space.Host)
-
-  return jax.tree.map(one, new, old)
+def _unchanged(params, opt_state):
+  return params, opt_state
 
 
 def make_train_step(apply_fn: Callable[[Any, jax.Array], jax.Array],
@@ -134,15 +115,22 @@ def make_train_step(apply_fn: Callable[[Any, jax.Array], jax.Array],
     loss, grads = local_value_and_grad(loss_fn, params, batch, micro_batches,
                                        batch_axes)
     grads = layout.finish_gradients(grads)
-    updates, new_state = tx.update(grads, opt_state, params, **update_kwargs)
-    new_params = optax.apply_updates(params, updates)
     grad_sq = global_norm(grads, FSDP_AXES, squared=True)  # shards combined
-    local_stats = jnp.stack([varying(x, batch_axes) for x in (
-        loss, grad_sq, _non_finite_count(new_params))])
+    local_stats = jnp.stack([varying(x, batch_axes) for x in (loss, grad_sq)])
     stats = jax.lax.pmean(local_stats, batch_axes)  # the same on every worker
-    ok = jnp.isfinite(stats[0]) & jnp.isfinite(stats[1]) & (stats[2] == 0)
-    params = layout.merge(keep_if(ok, new_params, params), frozen)
-    opt_state = keep_if(ok, new_state, opt_state)
+    ok = jnp.isfinite(stats[0]) & jnp.isfinite(stats[1])
+
+    def apply(params, opt_state):
+      updates, new_state = tx.update(grads, opt_state, params, **update_kwargs)
+      return optax.apply_updates(params, updates), new_state
+
+    # A branch, not a select of new and old: the update runs in the donated
+    # buffers, where a select would keep both and copy. Its collectives are
+    # an applied step's bytes (`TAKEN_SCOPE`).
+    with jax.named_scope(TAKEN_SCOPE):
+      params, opt_state = jax.lax.cond(ok, apply, _unchanged, params,
+                                       opt_state)
+    params = layout.merge(params, frozen)
     metrics = {'loss': stats[0], 'grad_norm': jnp.sqrt(stats[1]),
                'skipped': 1 - ok.astype(jnp.float32)}
     return layout.leave(params), layout.leave(opt_state), metrics
