@@ -323,13 +323,21 @@ def _update(grads, state: ScaleByRadiusState, params, kind: str, *,
       residual=plan.treedef.unflatten(
           [optax.MaskedNode() if e is None else vary(e[None])
            for e in residual]),
-      residual_norm=vary(_norms.global_norm(residual)[None]))
+      residual_norm=vary(_residual_norm(residual, kind)[None]))
   out = [u.astype(g.dtype) for u, g in zip(corrected, flat(grads))]
   return plan.treedef.unflatten(out), new_state
 
 
 # ----------------------------------------------------------------------------
 # The phases of one update. Lists run over the leaves of the tree.
+
+
+def _residual_norm(residual, kind: str) -> jax.Array:
+  """||e||; 0 after a resample, which flushes e to constant zeros: XLA would
+  fold their norm's reduction element by element (minutes on a large leaf)."""
+  if kind == RESAMPLE:
+    return jnp.zeros([], jnp.float32)
+  return _norms.global_norm(residual)
 
 
 def _exchange_dense(local, residual, add_residual: bool, axis_name):
