@@ -206,15 +206,21 @@ def test_cond_branch_flagged():
 
 
 def test_cond_under_the_taken_scope_counted_once():
-  """The train step's update branch (`TAKEN_SCOPE`) counts as taken; the
-  same cond outside it stays unknown."""
+  """The train step's update branch (`TAKEN_SCOPE`) counts as taken; a cond
+  nested in it stays unknown."""
   from scape_jax.comm.collectives import TAKEN_SCOPE  # pylint: disable=g-import-not-at-top
+
+  def nested(c):
+    return lax.cond(c[1] > 0, lambda y: lax.pmax(y, 'data'), jnp.sin, c)
 
   def f(x):
     with jax.named_scope(TAKEN_SCOPE):
-      return lax.cond(x[0] > 0, lambda c: lax.psum(c, 'data'),
+      return lax.cond(x[0] > 0, lambda c: nested(lax.psum(c, 'data')),
                       lambda c: c * 2, x)
-  c = _one(analysis.collectives(_smap(f), _sds((128,))))
+  cols = analysis.collectives(_smap(f), _sds((128,)))
+  assert [(x.count, x.note) for x in cols if 'pmax' in x.op_name] == [
+      (None, analysis.NOTE_IN_BRANCH)]
+  c = _one([x for x in cols if 'pmax' not in x.op_name])
   assert (c.kind, c.count, c.note) == ('all-reduce', 1, '')
   assert c.bytes_sent == analysis.ring_all_reduce_bytes(16 * 4, 8)  # a shard
   assert 'INCOMPLETE' not in analysis.format_table([c])

@@ -15,11 +15,12 @@ Collectives inside `while` bodies are multiplied by the trip count XLA
 recorded (`known_trip_count`), through nested loops. When that is missing, or
 a collective sits in a `conditional` branch, its count is `None`: it is listed
 with a note, left out of the totals, and `format_table` says the total is
-incomplete. The one exception is a conditional traced under the name scope
-`comm.collectives.TAKEN_SCOPE`: the train step's update, which runs unless
-the step is skipped (`train.step`); its branches count once, so the bytes
-are an applied step's. So is a collective of a kind not priced here (`UNPRICED`, e.g.
-`send`): nothing is guessed.
+incomplete. So is a collective of a kind not priced here (`UNPRICED`, e.g.
+`send`): nothing is guessed. The one branch counted is the train step's
+update: a conditional traced directly under the name scope
+`comm.collectives.TAKEN_SCOPE` (`train.step`), which runs unless the step
+is skipped; its branches count once, so the bytes are an applied step's
+(a conditional nested inside it stays unknown).
 
 A collective the compiler widened is priced at the width the program asked
 for: XLA:CPU moves a bf16 collective as f32, with converts around it (and,
@@ -359,8 +360,8 @@ class _Module:
               edge = ('loop', None if ins.trip is None else ins.trip + 1)
             elif key in ('branch_computations', 'true_computation',
                          'false_computation'):
-              edge = (('call', 1) if TAKEN_SCOPE in ins.op_name.split('/')
-                      else ('branch', None))
+              taken = ins.op_name.split('/')[-2:-1] == [TAKEN_SCOPE]
+              edge = ('call', 1) if taken else ('branch', None)
             else:
               edge = ('call', 1)
             self.callers[callee].append((comp,) + edge)
