@@ -23,7 +23,6 @@ import optax
 from jax.sharding import NamedSharding
 
 from scape_jax.comm.collectives import TAKEN_SCOPE, global_norm, varying
-from scape_jax.optim import _memory as memory
 from scape_jax.sharding.layout import Layout
 from scape_jax.sharding.mesh import DATA, FSDP_AXES
 
@@ -74,6 +73,7 @@ def local_value_and_grad(loss_fn, params, batch, micro_batches: int = 1,
 
 
 def _unchanged(params, opt_state):
+  """A skipped step's branch: what came in goes out."""
   return params, opt_state
 
 
