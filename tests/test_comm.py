@@ -208,7 +208,7 @@ def test_cond_branch_flagged():
 def test_cond_under_the_taken_scope_counted_once():
   """The train step's update branch (`TAKEN_SCOPE`) counts as taken; a cond
   nested in it stays unknown."""
-  from scape_jax.comm.collectives import TAKEN_SCOPE  # pylint: disable=g-import-not-at-top
+  from scape_jax.analysis.hlo import TAKEN_SCOPE  # pylint: disable=g-import-not-at-top
 
   def nested(c):
     return lax.cond(c[1] > 0, lambda y: lax.pmax(y, 'data'), jnp.sin, c)

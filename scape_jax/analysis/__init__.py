@@ -2,8 +2,9 @@
 method's bytes predicted from its parameter shapes (`cost`), and what a
 finished run's log and metrics say (`runs`).
 
-Nothing in the optimizers or the train step imports this package; the trainer
-and the benchmarks use it to report what a compiled step sends.
+Nothing in the optimizers imports this package, and the train step only its
+name for the update branch (`hlo.TAKEN_SCOPE`); the trainer and the
+benchmarks use it to report what a compiled step sends.
 """
 
 from scape_jax.analysis.cost import ring_all_gather_bytes

@@ -18,7 +18,7 @@ with a note, left out of the totals, and `format_table` says the total is
 incomplete. So is a collective of a kind not priced here (`UNPRICED`, e.g.
 `send`): nothing is guessed. The one branch counted is the train step's
 update: a conditional traced directly under the name scope
-`comm.collectives.TAKEN_SCOPE` (`train.step`), which runs unless the step
+`TAKEN_SCOPE` (`train.step`), which runs unless the step
 is skipped; its branches count once, so the bytes are an applied step's
 (a conditional nested inside it stays unknown).
 
@@ -41,7 +41,6 @@ import jax
 import numpy as np
 
 from scape_jax.analysis import cost
-from scape_jax.comm.collectives import TAKEN_SCOPE
 
 KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all',
          'collective-permute')
@@ -57,6 +56,8 @@ UNPRICED = ('collective-broadcast', 'ragged-all-to-all', 'send', 'recv')
 
 NOTE_TRIP_UNKNOWN = 'trip count unknown'
 NOTE_IN_BRANCH = 'in conditional branch'
+# The `jax.named_scope` of the train step's update branch (module doc).
+TAKEN_SCOPE = 'apply_if_finite'
 NOTE_UNREACHABLE = 'not reachable from ENTRY'
 NOTE_UNPRICED = 'collective kind not priced'
 NOTE_WIDENED = 'widened to {wide} by the compiler, priced as sent'

@@ -20,11 +20,6 @@ except ImportError:  # pragma: no cover - older JAX has no varying types.
 
 AxisNames = Union[None, str, Sequence[str]]
 
-# The `jax.named_scope` of the train step's update branch (`lax.cond`), which
-# runs unless the step is skipped: `scape_jax.analysis` counts the
-# collectives of a conditional under it as taken, an applied step's bytes.
-TAKEN_SCOPE = 'apply_if_finite'
-
 
 def all_gather_invariant(x, axis_name):
   """Stacks every worker's `x` along a new leading axis, typed as replicated.

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from scape_jax.comm.collectives import TAKEN_SCOPE, global_norm, varying
+from scape_jax.analysis.hlo import TAKEN_SCOPE
+from scape_jax.comm.collectives import global_norm, varying
 from scape_jax.sharding.layout import Layout
 from scape_jax.sharding.mesh import DATA, FSDP_AXES
 
