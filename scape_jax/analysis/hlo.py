@@ -17,10 +17,10 @@ a collective sits in a `conditional` branch, its count is `None`: it is listed
 with a note, left out of the totals, and `format_table` says the total is
 incomplete. So is a collective of a kind not priced here (`UNPRICED`, e.g.
 `send`): nothing is guessed. The one branch counted is the train step's
-update: a conditional traced directly under the name scope
-`TAKEN_SCOPE` (`train.step`), which runs unless the step
-is skipped; its branches count once, so the bytes are an applied step's
-(a conditional nested inside it stays unknown).
+update: a conditional traced directly under the name scope `TAKEN_SCOPE`
+(`train.step`), which runs unless the step is skipped; its branches count
+once, so the bytes are an applied step's (a conditional nested inside it
+stays unknown).
 
 A collective the compiler widened is priced at the width the program asked
 for: XLA:CPU moves a bf16 collective as f32, with converts around it (and,
