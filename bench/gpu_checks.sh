@@ -7,14 +7,15 @@
 #
 # 1. bench/optimizer_overhead.py on the llama-100m tree at d = 0.1 and 0.01:
 #    adamw, AdamS, SCAPE with 'auto' (on cuda: 'pallas_radix') and each of
-#    SELECTS (default 'sort'), and SCAPE's local-Adam mode;
+#    SELECTS (default none; 'sort' is lax.top_k), and SCAPE's local-Adam
+#    mode, each update alone and as the trainer's step runs it (--step);
 # 2. tests/test_gpu.py (the Pallas kernels against their references);
 # 3. bench/first_step.py --device: llama500m's program before step 1,
 #    SCAPE's and AdamS's compile on the GPU, unrolled and scanned.
 # OUT (default runs/gpu) gets the tables, each step's log and gpu_checks.tgz.
 set -u
 out=${1:-${OUT:-runs/gpu}}
-selects=${SELECTS:-sort}
+selects=${SELECTS:-}
 work=$(mktemp -d)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -35,11 +36,12 @@ python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' \
 
 run 300 overhead env JAX_PLATFORMS=cuda python3 bench/optimizer_overhead.py \
   --trees llama-100m --densities 0.1 0.01 --selects auto $selects \
-  --methods adams scape scape_local_adam --number 5 --repeats 5 --out "$work"
-# Four test processes share the GPU (no preallocation): the tests are mostly
+  --methods adams scape scape_local_adam --step --number 5 --repeats 5 \
+  --out "$work"
+# Eight test processes share the GPU (no preallocation): the tests are mostly
 # compiling, on the machine's CPU cores.
 run 150 test_gpu env JAX_PLATFORMS=cuda,cpu \
-  XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n 4 \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n 8 \
   -p no:cacheprovider tests/test_gpu.py
 run 150 first_step env JAX_PLATFORMS=cuda python3 bench/first_step.py \
   --device --repeats 1 --out "$work"

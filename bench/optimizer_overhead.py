@@ -41,6 +41,7 @@ passes count as one), a scatter as a read and a write of its whole operand
   python bench/optimizer_overhead.py --quick         # smoke run, runs/ output
   python bench/optimizer_overhead.py --radius        # + Radius's step kinds
   python bench/optimizer_overhead.py --methods adams scape scape_local_adam
+  python bench/optimizer_overhead.py --step          # + the trainer's step
 
 With `--radius`, Radius (`scape_jax.radius`, AdamW on the exchanged
 gradient) is timed at each density < 1 too: its sparse step and its
@@ -48,6 +49,14 @@ resample step (the dense step, then the top-k of every compressed leaf:
 the new shared masks), the latter with its default `select` and with
 select='sort' (`lax.top_k` on the whole leaf, Radius's selection before it
 took `comm.topk`'s). Its masks are set by one resample before the timing.
+
+With `--step`, each method with its default select is also timed as the
+trainer's step runs its update (rows '... (step)', ratios to adamw's step):
+`(params, state) -> (params, state)`, both donated, under the step's
+non-finite guard (`train.step.apply_if_finite`, its condition the
+gradient's squared norm). That is the cost a run pays: donation lets XLA
+update in place, but where an update reads a buffer's old value after
+writing its new one, XLA copies the buffer aside.
 """
 
 import argparse
@@ -76,6 +85,7 @@ import models  # noqa: E402
 import scape_jax  # noqa: E402
 from scape_jax.comm import masks  # noqa: E402
 from scape_jax.comm import topk  # noqa: E402
+from scape_jax.train.step import apply_if_finite  # noqa: E402
 
 OUT = os.path.join(ROOT, 'docs', 'bench')
 QUICK_OUT = os.path.join(ROOT, 'runs', 'optimizer_overhead_quick')
@@ -242,25 +252,46 @@ class Prepared(NamedTuple):
   temp_bytes: int
   donated: bool = False
   accessed_bytes: Optional[float] = None
+  step: bool = False  # `state` is (params, optimizer state): `whole_step`
 
 
-def prepare(method: Method, params, grads, donate: bool = False) -> Prepared:
+def whole_step(method: Method):
+  """`method`'s update as the trainer's step runs it, in `Prepared`'s calling
+  convention: `(grads, (params, state), _) -> (None, (params, state))`."""
+
+  def step(grads, carry, _):
+    params, state = carry
+    ok = jnp.isfinite(sum(jnp.vdot(g, g) for g in jax.tree.leaves(grads)))
+    return None, apply_if_finite(ok, method.tx, grads, params, state,
+                                 method.kwargs)
+
+  return step
+
+
+def prepare(method: Method, params, grads, donate: bool = False,
+            step: bool = False) -> Prepared:
   """The compiled update in its steady state, warmed up. `donate`: the state
-  argument is donated (`donate_argnums`), as the trainer's step donates it."""
+  argument is donated (`donate_argnums`), as the trainer's step donates it.
+  `step`: the trainer's step instead (`whole_step`; donated)."""
   state = jax.jit(method.tx.init)(params)
   if method.first_kwargs:  # The dense first step: the mask is a real top-k.
     first = functools.partial(method.tx.update, **method.first_kwargs)
     _, state = jax.jit(first)(grads, state, params)
+  donate = donate or step
+  if step:  # Its own params: the donated step consumes them.
+    state = (jax.tree.map(jnp.copy, params), state)
   t0 = time.perf_counter()
-  fn = jax.jit(functools.partial(method.tx.update, **method.kwargs),
-               donate_argnums=(1,) if donate else ()).lower(
-                   grads, state, params).compile()
+  update = whole_step(method) if step else functools.partial(
+      method.tx.update, **method.kwargs)
+  fn = jax.jit(update, donate_argnums=(1,) if donate else ()).lower(
+      grads, state, params).compile()
   temps = fn.memory_analysis().temp_size_in_bytes
   state = _call(fn, state, grads, params, donate)  # Warm up.
   compile_s = time.perf_counter() - t0
   if compile_s < 5:  # A second warm-up call where it is cheap.
     state = _call(fn, state, grads, params, donate)
-  return Prepared(fn, state, compile_s, temps, donate, accessed_bytes(fn))
+  return Prepared(fn, state, compile_s, temps, donate, accessed_bytes(fn),
+                  step)
 
 
 def accessed_bytes(compiled) -> Optional[float]:
@@ -299,11 +330,12 @@ def interleaved_times(prepared: dict, grads, params, repeats: int,
 
 
 DONATED = ' (state donated)'
+STEP = ' (step)'
 
 
 def bench_tree(name: str, densities, repeats=None, number=None,
                selects=('auto',), donate=False, radius=False,
-               names=('adams', 'scape')) -> list:
+               names=('adams', 'scape'), step=False) -> list:
   """Times every method on one tree; returns one row per method.
 
   Small trees (< 10M parameters) take 21 samples of 20 calls each, large ones
@@ -315,7 +347,8 @@ def bench_tree(name: str, densities, repeats=None, number=None,
   another select get the time of that select alone. `donate`: every method
   is also timed with its state donated (label + DONATED; ratios to adamw's
   donated update), interleaved with the rest. `radius`: Radius's rows too
-  (`radius_methods`).
+  (`radius_methods`). `step`: every method with its default select is also
+  timed as the trainer's step (label + STEP; ratios to adamw's step).
   """
   params, grads = param_tree(name)
   n_params = sum(x.size for x in jax.tree.leaves(params))
@@ -333,12 +366,21 @@ def bench_tree(name: str, densities, repeats=None, number=None,
     table.update({label + DONATED: m for label, m in list(table.items())})
     prepared.update({label: prepare(table[label], params, grads, True)
                      for label in table if label.endswith(DONATED)})
+  if step:
+    for label, m in list(table.items()):
+      if not label.endswith(DONATED) and ' select=' not in label:
+        table[label + STEP] = m
+        prepared[label + STEP] = prepare(m, params, grads, step=True)
+        print(f'  {name} {label + STEP}: compiled and warmed up in '
+              f'{prepared[label + STEP].compile_s:.1f} s', file=sys.stderr,
+              flush=True)
   times = interleaved_times(prepared, grads, params, repeats, number)
   rows = []
   for label, ts in times.items():
     method, p = table[label], prepared[label]
     state, compile_s, temps = p.state, p.compile_s, p.temp_bytes
-    adamw = times['optax.adamw' + (DONATED if p.donated else '')]
+    adamw = times['optax.adamw' + (STEP if p.step else
+                                   DONATED if p.donated else '')]
     base, fastest = statistics.median(adamw), min(adamw)
     med = statistics.median(ts)
     q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [med, med, med]
@@ -348,7 +390,8 @@ def bench_tree(name: str, densities, repeats=None, number=None,
         'ratio_vs_adamw': med / base, 'min_ms': 1e3 * min(ts),
         'min_ratio_vs_adamw': min(ts) / fastest, 'repeats': repeats,
         'number': number,
-        'state_bytes': nbytes(state), 'temp_bytes': temps,
+        'state_bytes': nbytes(state[1] if p.step else state),
+        'temp_bytes': temps,
         'temp_vs_fp32_tree': temps / (4 * n_params), 'temp_bytes_sort': None,
         'accessed_bytes': p.accessed_bytes,
         'compile_s': compile_s, 'select_N32_adamw_ms': None,
@@ -444,6 +487,10 @@ def main(argv=None):
   p.add_argument('--donate', action='store_true',
                  help='also time every update with its state donated, as '
                  "the trainer's step runs it (rows '... (state donated)')")
+  p.add_argument('--step', action='store_true',
+                 help="also time each method's update as the trainer's step "
+                 "runs it: params and state donated, under the non-finite "
+                 "guard (rows '... (step)')")
   p.add_argument('--radius', action='store_true',
                  help="also time Radius's sparse and resample steps at each "
                  "density < 1 (the resample with select='sort' too)")
@@ -467,7 +514,8 @@ def main(argv=None):
   rows = []
   for name in args.trees:
     rows += bench_tree(name, args.densities, args.repeats, args.number,
-                       args.selects, args.donate, args.radius, args.methods)
+                       args.selects, args.donate, args.radius, args.methods,
+                       args.step)
   elapsed = time.perf_counter() - t0
   with open(os.path.join(args.out, 'optimizer_overhead.csv'), 'w',
             newline='') as f:

@@ -1,8 +1,15 @@
 """bench/optimizer_overhead.py runs end to end on its smoke settings, as a
 user runs it."""
 
+import functools
+import importlib.util
 import json
+import pathlib
 
+import jax
+import jax.numpy as jnp
+import optax
+import numpy as np
 import pytest
 
 import scape_jax
@@ -11,8 +18,8 @@ LOCAL_ADAM = hasattr(scape_jax, 'scape_local_adam')
 
 
 def test_quick_run_has_every_column(tmp_path):
-  argv = ['--quick', '--repeats', '4', '--densities', '1', '0.01', '--out',
-          str(tmp_path)]
+  argv = ['--quick', '--repeats', '4', '--densities', '1', '0.01', '--step',
+          '--out', str(tmp_path)]
   if LOCAL_ADAM:
     argv += ['--methods', 'adams', 'scape', 'scape_local_adam']
   bench_scripts.check('optimizer_overhead', *argv)
@@ -22,11 +29,18 @@ def test_quick_run_has_every_column(tmp_path):
   if LOCAL_ADAM:
     want[3:3] = ['scape_local_adam d=1']
     want += ['scape_local_adam d=0.01']
+  plain = list(want)
+  want += [label + ' (step)' for label in plain]
   assert list(by) == want
   # --quick fills in only what was not given: llama-tiny, 2 calls a sample.
   assert {(r['tree'], r['repeats'], r['number']) for r in by.values()} == {
       ('llama-tiny', 4, 2)}
   assert by['optax.adamw']['ratio_vs_adamw'] == 1.0
+  # --step: ratios to adamw's step; the state column is the optimizer's
+  # state alone, not the params the step carries beside it.
+  assert by['optax.adamw (step)']['ratio_vs_adamw'] == 1.0
+  for label in plain:
+    assert by[label + ' (step)']['state_bytes'] == by[label]['state_bytes']
   # State: adamw's two fp32 moments, AdamS's one, each with a step count.
   params = by['optax.adamw']['params']
   assert by['optax.adamw']['state_bytes'] == 8 * params + 4
@@ -51,3 +65,30 @@ def test_quick_run_has_every_column(tmp_path):
   assert out['meta']['command'].endswith(' '.join(argv))
   table = (tmp_path / 'optimizer_overhead.md').read_text()
   assert table.count('| llama-tiny |') == len(want)
+
+
+def _bench_module(name: str):
+  spec = importlib.util.spec_from_file_location(
+      name, pathlib.Path(__file__).parents[1] / 'bench' / f'{name}.py')
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_whole_step_is_the_update_applied_or_nothing():
+  """--step times `whole_step`: optax's own adamw update applied to the
+  params, and with a non-finite gradient the params and state unchanged."""
+  bench = _bench_module('optimizer_overhead')
+  params, grads = bench.param_tree('llama-tiny')
+  method = bench.methods([])['optax.adamw']
+  state = method.tx.init(params)
+  updates, want_state = method.tx.update(grads, state, params)
+  want = optax.apply_updates(params, updates)
+  step = jax.jit(bench.whole_step(method))
+  _, (got, got_state) = step(grads, (params, state), None)
+  close = functools.partial(np.testing.assert_allclose, rtol=1e-6, atol=1e-8)
+  jax.tree.map(close, (got, got_state), (want, want_state))
+  bad = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), grads)
+  _, (got, got_state) = step(bad, (params, state), None)
+  jax.tree.map(np.testing.assert_array_equal, (got, got_state),
+               (params, state))

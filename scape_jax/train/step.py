@@ -78,6 +78,35 @@ def _unchanged(params, opt_state):
   return params, opt_state
 
 
+def apply_if_finite(ok: jax.Array, tx: optax.GradientTransformation, grads,
+                    params, opt_state, update_kwargs: Optional[dict] = None):
+  """`tx`'s update applied to `params` where `ok`, else both unchanged.
+
+  A branch (`lax.cond`), not a select of the new and the old values: the
+  update runs in the donated buffers, where a select would keep both and
+  copy. Its collectives count as an applied step's bytes (`TAKEN_SCOPE`).
+
+  Args:
+    ok: a scalar bool, the same on every worker.
+    tx: the method's transformation.
+    grads: the gradients `tx.update` gets.
+    params: the parameters.
+    opt_state: `tx`'s state.
+    update_kwargs: static extra arguments of `tx.update`.
+
+  Returns:
+    `(params, opt_state)`, updated where `ok`.
+  """
+  update_kwargs = update_kwargs or {}
+
+  def apply(params, opt_state):
+    updates, new_state = tx.update(grads, opt_state, params, **update_kwargs)
+    return optax.apply_updates(params, updates), new_state
+
+  with jax.named_scope(TAKEN_SCOPE):
+    return jax.lax.cond(ok, apply, _unchanged, params, opt_state)
+
+
 def make_train_step(apply_fn: Callable[[Any, jax.Array], jax.Array],
                     tx: optax.GradientTransformation, layout: Layout,
                     opt_specs, update_kwargs: Optional[dict] = None,
@@ -102,7 +131,6 @@ def make_train_step(apply_fn: Callable[[Any, jax.Array], jax.Array],
     so compare it only between runs of one mesh) and `skipped` (1.0 when
     the update was not applied because something was not finite, else 0.0).
   """
-  update_kwargs = update_kwargs or {}
   batch_axes = layout.batch_axes
 
   def local_step(params, opt_state, batch):
@@ -120,17 +148,8 @@ def make_train_step(apply_fn: Callable[[Any, jax.Array], jax.Array],
     local_stats = jnp.stack([varying(x, batch_axes) for x in (loss, grad_sq)])
     stats = jax.lax.pmean(local_stats, batch_axes)  # the same on every worker
     ok = jnp.isfinite(stats[0]) & jnp.isfinite(stats[1])
-
-    def apply(params, opt_state):
-      updates, new_state = tx.update(grads, opt_state, params, **update_kwargs)
-      return optax.apply_updates(params, updates), new_state
-
-    # A branch, not a select of new and old: the update runs in the donated
-    # buffers, where a select would keep both and copy. Its collectives are
-    # an applied step's bytes (`TAKEN_SCOPE`).
-    with jax.named_scope(TAKEN_SCOPE):
-      params, opt_state = jax.lax.cond(ok, apply, _unchanged, params,
-                                       opt_state)
+    params, opt_state = apply_if_finite(ok, tx, grads, params, opt_state,
+                                        update_kwargs)
     params = layout.merge(params, frozen)
     metrics = {'loss': stats[0], 'grad_norm': jnp.sqrt(stats[1]),
                'skipped': 1 - ok.astype(jnp.float32)}
