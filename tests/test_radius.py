@@ -5,7 +5,6 @@ import os
 import shutil
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -15,6 +14,7 @@ import scape_jax
 from scape_jax import analysis
 from scape_jax import train as trainer
 from scape_jax.train.checkpoint import Checkpointer
+from tests.constant_folding import constant_reductions
 from tests.mesh_runner import MeshRunner, assert_same_states, random_params
 from tests.mesh_runner import worker_grads
 from tests.reference_methods import RadiusReference
@@ -196,24 +196,6 @@ def test_bytes_of_each_step_kind_from_the_compiled_step(index_radius):
         analysis.ring_all_reduce_bytes(4 * values, n))
 
 
-def _constant_reductions(jaxpr, constant=frozenset()) -> list:
-  """Reductions in `jaxpr` (sub-jaxprs included) whose every operand is
-  known at trace time: XLA folds those on the host, element by element."""
-  known, found = set(constant), []
-  for eqn in jaxpr.eqns:
-    ins = [isinstance(v, jax.extend.core.Literal) or v in known
-           for v in eqn.invars]
-    sub = eqn.params.get('jaxpr')
-    if sub is not None and hasattr(sub, 'jaxpr'):
-      inner = frozenset(v for v, c in zip(sub.jaxpr.invars, ins) if c)
-      found += _constant_reductions(sub.jaxpr, inner)
-    if all(ins):
-      if eqn.primitive.name.startswith(('reduce', 'arg')):
-        found.append(eqn)
-      known.update(eqn.outvars)
-  return found
-
-
 def test_resample_has_no_reduction_of_constants():
   """The flushed residual's norm is not a reduction of constant zeros, which
   XLA:CPU folded for minutes on a large leaf (`_radius._residual_norm`)."""
@@ -223,7 +205,7 @@ def test_resample_has_no_reduction_of_constants():
   for kind in ('dense', 'resample', 'sparse'):
     jaxpr = jax.make_jaxpr(lambda g, s, p, kind=kind: tx.update(
         g, s, p, step_kind=kind))(params, state, params)
-    assert _constant_reductions(jaxpr.jaxpr) == [], kind
+    assert constant_reductions(jaxpr.jaxpr) == [], kind
 
 
 def test_init_global_view_and_partition_specs():

@@ -158,6 +158,16 @@ def pack_bits(bits: jax.Array) -> jax.Array:
   return jnp.sum(bits << shifts, axis=-1, dtype=jnp.uint32)
 
 
+def ones_words(c: int, leading: Tuple[int, ...] = ()) -> jax.Array:
+  """`pack_bits` of `c` ones, uint32[*leading, ceil(c/32)], made on the host:
+  a constant, not a reduction of constants, which XLA folds element by
+  element (seconds per large leaf on a GPU)."""
+  words = np.full(-(-c // 32), 0xFFFFFFFF, np.uint32)
+  if c % 32:
+    words[-1] = (1 << (c % 32)) - 1
+  return jnp.asarray(np.broadcast_to(words, (*leading, words.size)))
+
+
 def unpack_bits(words: jax.Array, c: int) -> jax.Array:
   """uint32[..., w] -> bool[..., c], the inverse of `pack_bits`."""
   shifts = jnp.arange(32, dtype=jnp.uint32)

@@ -407,9 +407,8 @@ def next_chunk_masks(chunk_of: Callable, layouts, k_levels, level: int,
   least = (lambda k: k[next_level]) if isinstance(next_level, int) else min
   chosen = [j for j, layout in enumerate(layouts)
             if layout is not None and least(k_levels[j]) < layout.chunk_size]
-  out = [None if layout is None or j in chosen else masks.pack_bits(
-      jnp.ones((1, layout.chunk_size), bool))
-         for j, layout in enumerate(layouts)]
+  out = [None if layout is None or j in chosen else masks.ones_words(
+      layout.chunk_size, (1,)) for j, layout in enumerate(layouts)]
   chunks = [chunk_of(j) for j in chosen]
   words = topk.chunks_topk_words(
       [x for x, _ in chunks], [n for _, n in chunks],

@@ -155,8 +155,8 @@ def _init_state(params, compress: MaskOrFn,
       own_mask.append(optax.MaskedNode())
     else:
       residual.append(per_worker(jnp.zeros(p.shape, jnp.float32)))
-      all_ones = masks.pack_bits(jnp.ones((layout.chunk_size,), bool))
-      own_mask.append(per_worker(all_ones))  # M_0 = 1
+      # M_0 = 1
+      own_mask.append(per_worker(masks.ones_words(layout.chunk_size)))
   return ScaleByScapeState(
       count=jnp.zeros([], jnp.int32),
       mu=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),

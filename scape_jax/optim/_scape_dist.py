@@ -112,7 +112,7 @@ def scale_by_scape_dist(
       fields['residual'].append(optax.MaskedNode() if dense else per_worker(
           jnp.zeros(p.shape, jnp.float32)))
       fields['mask'].append(optax.MaskedNode() if dense else per_worker(
-          masks.pack_bits(jnp.ones((c,), bool))))  # M_0 = 1
+          masks.ones_words(c)))  # M_0 = 1
     return ScaleByScapeDistState(
         count=jnp.zeros([], jnp.int32),
         residual_norm=per_worker(jnp.zeros([], jnp.float32)),
@@ -200,7 +200,11 @@ def _update_at_level(grads, state: ScaleByScapeDistState, level: int, *,
       carry=per_leaf(lambda o, _: o.carry[None]),
       residual=per_leaf(lambda o, _: o.residual[None]),
       mask=per_leaf(lambda _, m: m),
-      residual_norm=vary(_norms.global_norm([o.residual for o in own])[None]),
+      # A leaf sent whole keeps constant zeros, whose norm XLA would fold
+      # element by element: left out.
+      residual_norm=vary(_norms.global_norm(
+          [None if off is None else o.residual
+           for o, off in zip(own, offsets)])[None]),
       density=_exchange.density_at(hyper, level, live))
   direction = [d.astype(g.dtype) for d, g in zip(direction, flat(grads))]
   return plan.treedef.unflatten(direction), new_state

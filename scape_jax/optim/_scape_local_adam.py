@@ -172,10 +172,17 @@ def _update_at_level(grads, state: ScaleByScapeLocalAdamState, level: int, *,
       count=count, mu=plan.treedef.unflatten(mu),
       residual=plan.treedef.unflatten([per_worker(r) for r in residual]),
       m=m, v=v, w=w,
-      residual_norm=vary(_norms.global_norm(residual)[None]),
+      residual_norm=vary(_residual_norm(residual, global_masks)[None]),
       density=_exchange.density_at(hyper, level, live))
   direction = [d.astype(g.dtype) for d, g in zip(direction, flat(grads))]
   return plan.treedef.unflatten(direction), new_state
+
+
+def _residual_norm(residual, global_masks) -> jax.Array:
+  """||e|| over the leaves sent under a mask; a leaf sent whole keeps
+  constant zeros, whose norm XLA would fold element by element."""
+  return _norms.global_norm([None if m is None else e
+                             for e, m in zip(residual, global_masks)])
 
 
 def _local_updates(grad_leaves, state, count, plan, hyper) -> tuple:
