@@ -269,17 +269,19 @@ def whole_step(method: Method):
 
 
 def prepare(method: Method, params, grads, donate: bool = False,
-            step: bool = False) -> Prepared:
+            step: bool = False, state=None) -> Prepared:
   """The compiled update in its steady state, warmed up. `donate`: the state
   argument is donated (`donate_argnums`), as the trainer's step donates it.
-  `step`: the trainer's step instead (`whole_step`; donated)."""
-  state = jax.jit(method.tx.init)(params)
-  if method.first_kwargs:  # The dense first step: the mask is a real top-k.
-    first = functools.partial(method.tx.update, **method.first_kwargs)
-    _, state = jax.jit(first)(grads, state, params)
+  `step`: the trainer's step instead (`whole_step`; donated). `state`: the
+  steady state to start from (default: made by init and the first step)."""
+  if state is None:
+    state = jax.jit(method.tx.init)(params)
+    if method.first_kwargs:  # The dense first step: the mask is a real top-k.
+      first = functools.partial(method.tx.update, **method.first_kwargs)
+      _, state = jax.jit(first)(grads, state, params)
   donate = donate or step
-  if step:  # Its own params: the donated step consumes them.
-    state = (jax.tree.map(jnp.copy, params), state)
+  if step:  # Its own copies: the donated step consumes them.
+    state = jax.tree.map(jnp.copy, (params, state))
   t0 = time.perf_counter()
   update = whole_step(method) if step else functools.partial(
       method.tx.update, **method.kwargs)
@@ -370,7 +372,8 @@ def bench_tree(name: str, densities, repeats=None, number=None,
     for label, m in list(table.items()):
       if not label.endswith(DONATED) and ' select=' not in label:
         table[label + STEP] = m
-        prepared[label + STEP] = prepare(m, params, grads, step=True)
+        prepared[label + STEP] = prepare(  # its plain row's steady state
+            m, params, grads, step=True, state=prepared[label].state)
         print(f'  {name} {label + STEP}: compiled and warmed up in '
               f'{prepared[label + STEP].compile_s:.1f} s', file=sys.stderr,
               flush=True)

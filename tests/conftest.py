@@ -16,9 +16,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
-# Flags that cut the compile time (tests/fast_compile.py); the subprocesses
-# inherit them.
-if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+# Flags that cut XLA:CPU's compile time (tests/fast_compile.py); the
+# subprocesses inherit them. Not with another backend: a GPU's XLA may not
+# know the CPU's flags, and an unknown flag aborts the process.
+if (os.environ["JAX_PLATFORMS"] == "cpu"
+    and "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]):
   os.environ["XLA_FLAGS"] += " " + fast_compile.FLAGS
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _cache = tempfile.mkdtemp(prefix="scape-jax-test-xla-cache-")
