@@ -7,8 +7,8 @@
 #
 # 1. bench/optimizer_overhead.py on the llama-100m tree at d = 0.1 and 0.01:
 #    adamw, AdamS, SCAPE with 'auto' (on cuda: 'pallas_radix') and each of
-#    SELECTS (default none; 'sort' is lax.top_k), and SCAPE's local-Adam
-#    mode, each update alone and as the trainer's step runs it (--step);
+#    SELECTS (default none; 'sort' is lax.top_k), each update alone and as
+#    the trainer's step runs it (--step);
 # 2. tests/test_gpu.py (the Pallas kernels against their references);
 # 3. bench/first_step.py --device: llama500m's program before step 1,
 #    SCAPE's and AdamS's compile on the GPU, unrolled and scanned.
@@ -36,8 +36,7 @@ python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' \
 
 run 300 overhead env JAX_PLATFORMS=cuda python3 bench/optimizer_overhead.py \
   --trees llama-100m --densities 0.1 0.01 --selects auto $selects \
-  --methods adams scape scape_local_adam --step --number 5 --repeats 5 \
-  --out "$work"
+  --methods adams scape --step --number 5 --repeats 5 --out "$work"
 # Eight test processes share the GPU (no preallocation): the tests are mostly
 # compiling, on the machine's CPU cores.
 run 150 test_gpu env JAX_PLATFORMS=cuda,cpu \
