@@ -17,8 +17,9 @@ _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 # Flags that cut XLA:CPU's compile time (tests/fast_compile.py); the
-# subprocesses inherit them. Not with another backend: a GPU's XLA may not
-# know the CPU's flags, and an unknown flag aborts the process.
+# subprocesses inherit them. On the CPU alone: jaxlib 0.11 (a GPU machine's)
+# no longer knows --xla_cpu_use_fusion_emitters, and an unknown XLA flag
+# aborts the process (tests/test_gpu.py's workers died at start).
 if (os.environ["JAX_PLATFORMS"] == "cpu"
     and "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]):
   os.environ["XLA_FLAGS"] += " " + fast_compile.FLAGS
