@@ -335,6 +335,31 @@ DONATED = ' (state donated)'
 STEP = ' (step)'
 
 
+def _prepare_all(name: str, table: dict, params, grads, donate: bool,
+                 step: bool) -> dict:
+  """label -> Prepared for every method of `table`; with `donate` and
+  `step`, adds their rows (labels + DONATED, + STEP) to `table` too."""
+  prepared = {}
+
+  def add(label, method, **kwargs):
+    prepared[label] = prepare(method, params, grads, **kwargs)
+    # Progress, so that a run stopped at a time limit says where it was.
+    print(f'  {name} {label}: compiled and warmed up in '
+          f'{prepared[label].compile_s:.1f} s', file=sys.stderr, flush=True)
+
+  plain = list(table.items())
+  for label, m in plain:
+    add(label, m)
+  for label, m in plain if donate else ():
+    table[label + DONATED] = m
+    add(label + DONATED, m, donate=True)
+  for label, m in plain if step else ():
+    if ' select=' not in label:  # from its plain row's steady state
+      table[label + STEP] = m
+      add(label + STEP, m, step=True, state=prepared[label].state)
+  return prepared
+
+
 def bench_tree(name: str, densities, repeats=None, number=None,
                selects=('auto',), donate=False, radius=False,
                names=('adams', 'scape'), step=False) -> list:
@@ -358,25 +383,7 @@ def bench_tree(name: str, densities, repeats=None, number=None,
   repeats = repeats or (21 if small else 5)
   number = number or (20 if small else 1)
   table = methods(densities, selects, radius, names)
-  prepared = {}
-  for label, m in table.items():
-    prepared[label] = prepare(m, params, grads)
-    # Progress, so that a run stopped at a time limit says where it was.
-    print(f'  {name} {label}: compiled and warmed up in '
-          f'{prepared[label].compile_s:.1f} s', file=sys.stderr, flush=True)
-  if donate:
-    table.update({label + DONATED: m for label, m in list(table.items())})
-    prepared.update({label: prepare(table[label], params, grads, True)
-                     for label in table if label.endswith(DONATED)})
-  if step:
-    for label, m in list(table.items()):
-      if not label.endswith(DONATED) and ' select=' not in label:
-        table[label + STEP] = m
-        prepared[label + STEP] = prepare(  # its plain row's steady state
-            m, params, grads, step=True, state=prepared[label].state)
-        print(f'  {name} {label + STEP}: compiled and warmed up in '
-              f'{prepared[label + STEP].compile_s:.1f} s', file=sys.stderr,
-              flush=True)
+  prepared = _prepare_all(name, table, params, grads, donate, step)
   times = interleaved_times(prepared, grads, params, repeats, number)
   rows = []
   for label, ts in times.items():
