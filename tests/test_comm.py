@@ -208,13 +208,11 @@ def test_cond_branch_flagged():
 def test_cond_under_the_taken_scope_counted_once():
   """The train step's update branch (`TAKEN_SCOPE`) counts as taken; a cond
   nested in it stays unknown."""
-  from scape_jax.analysis.hlo import TAKEN_SCOPE  # pylint: disable=g-import-not-at-top
-
   def nested(c):
     return lax.cond(c[1] > 0, lambda y: lax.pmax(y, 'data'), jnp.sin, c)
 
   def f(x):
-    with jax.named_scope(TAKEN_SCOPE):
+    with jax.named_scope(analysis.hlo.TAKEN_SCOPE):
       return lax.cond(x[0] > 0, lambda c: nested(lax.psum(c, 'data')),
                       lambda c: c * 2, x)
   cols = analysis.collectives(_smap(f), _sds((128,)))
