@@ -262,8 +262,9 @@ def whole_step(method: Method):
   def step(grads, carry, _):
     params, state = carry
     ok = jnp.isfinite(sum(jnp.vdot(g, g) for g in jax.tree.leaves(grads)))
-    return None, apply_if_finite(ok, method.tx, grads, params, state,
-                                 method.kwargs)
+    return None, apply_if_finite(
+        ok, method.tx, grads, params, state, method.kwargs,
+        state_after_params=jax.default_backend() == 'cpu')
 
   return step
 

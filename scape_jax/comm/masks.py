@@ -432,14 +432,14 @@ def set_at(x: jax.Array, layout: LeafLayout, offsets: jax.Array,
   follows them, so XLA writes into x's buffer instead of copying x first
   (it copies whenever another reader of x may still run after it).
   """
-  values = _following(values, after)
+  values = following(values, after)
   # Without padding every offset is in the leaf: no bounds to check.
   mode = 'promise_in_bounds' if layout.padded == layout.size else 'drop'
   return x.reshape(-1).at[_flat_index(layout, offsets)].set(
       values, mode=mode).reshape(x.shape)
 
 
-def _following(x: jax.Array, deps: Sequence[jax.Array]) -> jax.Array:
+def following(x: jax.Array, deps: Sequence[jax.Array]) -> jax.Array:
   """x, made to depend on every array of `deps`: their first elements enter
   a condition that is never true (no 32-bit pattern has more than 32 bits
   set) but that XLA cannot fold, so an op reading the result runs after
@@ -465,8 +465,8 @@ def scatter_at(values: jax.Array, layout: LeafLayout, offsets: jax.Array,
 
 
 def own_zeros(shape, dtype, *deps: jax.Array) -> jax.Array:
-  """Zeros filled with a 0 computed from `deps` (`_following`), which XLA
+  """Zeros filled with a 0 computed from `deps` (`following`), which XLA
   cannot fold: a constant 0 array is shared by every array of one shape
   made from it, and copied before each scatter into it and into each
   output that is one."""
-  return _following(jnp.zeros(shape, dtype), deps)
+  return following(jnp.zeros(shape, dtype), deps)

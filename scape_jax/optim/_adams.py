@@ -23,6 +23,11 @@ class ScaleByAdamSState(NamedTuple):
   count: jax.Array  # int32 scalar: number of completed updates.
   mu: optax.Updates  # First moment, fp32 (or `mu_dtype`), shaped like params.
 
+  # Fields that a train step which donates the state may write after the
+  # parameters' update (`train.step.apply_if_finite`): the update reads
+  # m_{t-1}, so m_t goes into m_{t-1}'s buffer only after it.
+  WRITTEN_AFTER_PARAMS = ('mu',)
+
 
 def scale_by_adams(
     b1: float = _common.B1,
@@ -66,7 +71,16 @@ def scale_by_adams(
     nu = jax.tree.map(lambda m, g: b2 * m * m + (1.0 - b2) * g * g,
                       mu_prev, updates)
     count = optax.safe_increment(state.count)
-    direction = _common.bias_corrected_direction(mu, nu, count, b1=b1, b2=b2, eps=eps)
+    # The direction's m_t computed again from m_{t-1} and g, times a 1 that
+    # XLA cannot fold, so that it is not the state's m_t: the parameters'
+    # update then reads m_{t-1} and g, not a stored m_t (7 fp32 trees
+    # accessed, not 8), and m_t can be written into m_{t-1}'s donated
+    # buffer after it (`WRITTEN_AFTER_PARAMS`). m * 1 is exact.
+    one = jnp.where(state.count >= 0, 1.0, 2.0).astype(jnp.float32)
+    mu_now = jax.tree.map(lambda m, g: b1 * (m * one) + (1.0 - b1) * g,
+                          mu_prev, updates)
+    direction = _common.bias_corrected_direction(mu_now, nu, count, b1=b1,
+                                                 b2=b2, eps=eps)
     direction = jax.tree.map(lambda d, g: d.astype(g.dtype), direction, updates)
     mu = jax.tree.map(lambda m, old: m.astype(old.dtype), mu, state.mu)
     return direction, ScaleByAdamSState(count=count, mu=mu)
