@@ -169,7 +169,7 @@ def test_adams_step_writes_m_into_its_donated_buffer():
   `state_after_params`): AdamS's new m follows the parameters' update,
   which reads the old m, so XLA writes it into the donated buffer with no
   copy and no temporaries. Without the ordering the step copies each m
-  aside. Both give the same bits, which are optax's AdamS-by-hand."""
+  aside. Both give the same bits: AdamS's step, written out by hand."""
   shapes = {'w': (512, 384), 'v': (384, 256), 'b': (384,)}
   params = {k: jnp.asarray(v) for k, v in random_params(shapes).items()}
   grads = {k: jnp.asarray(v) for k, v in random_params(shapes, 1).items()}
