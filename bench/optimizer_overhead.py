@@ -85,7 +85,7 @@ import models  # noqa: E402
 import scape_jax  # noqa: E402
 from scape_jax.comm import masks  # noqa: E402
 from scape_jax.comm import topk  # noqa: E402
-from scape_jax.train.step import apply_if_finite  # noqa: E402
+from scape_jax.train.step import apply_if_finite, orders_state  # noqa: E402
 
 OUT = os.path.join(ROOT, 'docs', 'bench')
 QUICK_OUT = os.path.join(ROOT, 'runs', 'optimizer_overhead_quick')
@@ -264,7 +264,7 @@ def whole_step(method: Method):
     ok = jnp.isfinite(sum(jnp.vdot(g, g) for g in jax.tree.leaves(grads)))
     return None, apply_if_finite(
         ok, method.tx, grads, params, state, method.kwargs,
-        state_after_params=jax.default_backend() == 'cpu')
+        state_after_params=orders_state(jax.default_backend()))
 
   return step
 

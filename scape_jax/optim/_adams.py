@@ -76,7 +76,7 @@ def scale_by_adams(
     # update then reads m_{t-1} and g, not a stored m_t (7 fp32 trees
     # accessed, not 8), and m_t can be written into m_{t-1}'s donated
     # buffer after it (`WRITTEN_AFTER_PARAMS`). m * 1 is exact.
-    one = jnp.where(state.count >= 0, 1.0, 2.0).astype(jnp.float32)
+    one = _common.unfoldable_one(state.count)
     mu_now = jax.tree.map(lambda m, g: b1 * (m * one) + (1.0 - b1) * g,
                           mu_prev, updates)
     direction = _common.bias_corrected_direction(mu_now, nu, count, b1=b1,

@@ -179,6 +179,14 @@ def check_prefix(where: str, name: str, prefix, tree, is_leaf=None) -> None:
         f'prefix of the params {jax.tree.structure(tree)}.') from e
 
 
+def unfoldable_one(count: jax.Array) -> jax.Array:
+  """fp32 1 computed from an optimizer's step count (never negative), which
+  XLA cannot fold. Multiplying or dividing by it is exact, and makes an
+  expression that XLA neither shares with another nor simplifies away:
+  used to choose what XLA stores once and what it computes again."""
+  return jnp.where(count >= 0, 1.0, 2.0).astype(jnp.float32)
+
+
 def bias_corrections(count, b1, b2) -> tuple:
   """(1 - b1^t, 1 - b2^t) in float32 for step t = count."""
   t = count.astype(jnp.float32)

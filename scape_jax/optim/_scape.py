@@ -245,7 +245,7 @@ def _semi_updated_moment(grads, mu, residual, plan, b1, count, k_now):
   state donated XLA writes it, and the residual after it (`masks.set_at`),
   into e's buffer instead of copying the residual there at the end.
   """
-  one = jnp.where(count >= 0, 1.0, 2.0).astype(jnp.float32)
+  one = _common.unfoldable_one(count)
   moment = []
   for j, (g, m, e) in enumerate(zip(grads, mu, residual)):
     mt = b1 * m + (1.0 - b1) * g

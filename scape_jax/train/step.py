@@ -114,6 +114,15 @@ def apply_if_finite(ok: jax.Array, tx: optax.GradientTransformation, grads,
     return jax.lax.cond(ok, apply, _unchanged, params, opt_state)
 
 
+def orders_state(platform: str) -> bool:
+  """Whether the train step on `platform` writes the `WRITTEN_AFTER_PARAMS`
+  fields after the new parameters (`apply_if_finite`). On XLA:CPU it
+  removes a copy of AdamS's m from the step (docs/benchmarks.md, section
+  2). A GPU may instead fuse the two updates into one kernel, which the
+  ordering would forbid: not measured there, so not ordered."""
+  return platform == 'cpu'
+
+
 def _names_late_fields(x) -> bool:
   return isinstance(x, tuple) and hasattr(type(x), 'WRITTEN_AFTER_PARAMS')
 
@@ -165,10 +174,7 @@ def make_train_step(apply_fn: Callable[[Any, jax.Array], jax.Array],
     the update was not applied because something was not finite, else 0.0).
   """
   batch_axes = layout.batch_axes
-  # On XLA:CPU the ordering removes a copy of AdamS's m from the step
-  # (docs/benchmarks.md, section 2). A GPU may instead fuse the two updates
-  # into one kernel, which the ordering would forbid: not measured there.
-  state_after_params = layout.mesh.devices.flat[0].platform == 'cpu'
+  state_after_params = orders_state(layout.mesh.devices.flat[0].platform)
 
   def local_step(params, opt_state, batch):
     params, opt_state = layout.enter(params), layout.enter(opt_state)
