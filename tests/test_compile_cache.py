@@ -21,10 +21,11 @@ def _train_losses(out_dir):
 
 def test_a_restart_loads_its_programs_from_the_compile_cache(corpus,
                                                              tmp_path):
-  """The first start writes the train step's programs into the run's
-  compile cache; a restart reads them from there (JAX's cache-hit events)
-  and trains the numbers of a run that compiles them (an empty cache). The
-  process's own cache (conftest's) is back after each run."""
+  """The first start compiles the train step's programs (its cache is
+  empty: no hits) into the run's compile cache; a restart reads them from
+  there (JAX's cache-hit events) and trains the numbers of the first start,
+  whose programs were compiled. The process's own cache (conftest's) is
+  back after each run."""
   hits = []
 
   def listen(event, **_):
@@ -33,27 +34,25 @@ def test_a_restart_loads_its_programs_from_the_compile_cache(corpus,
 
   method = ('--config.optimizer.name=scape',
             '--config.optimizer.scape.density=0.1', '--config.steps=4',
-            '--config.compile_cache=xla_cache')
+            '--config.compile_cache=xla_cache', '--config.ckpt_every=2')
   own = jax.config.jax_compilation_cache_dir
   min_time = jax.config.jax_persistent_cache_min_compile_time_secs
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
   jax.monitoring.register_event_listener(listen)
   try:
-    compiled = trainer.train(run_config(corpus, tmp_path / 'fresh', *method))
-    assert not hits
     out = tmp_path / 'run'
-    trainer.train(run_config(corpus, out, *method, '--config.ckpt_every=2'))
+    compiled = trainer.train(run_config(corpus, out, *method))
+    assert not hits
     assert any(name.startswith('jit_local_step')
                for name in os.listdir(out / 'xla_cache'))
     assert jax.config.jax_compilation_cache_dir == own
     shutil.rmtree(out / 'ckpt' / '4')  # preempted after step 2's save
-    hits.clear()
-    resumed = trainer.train(run_config(corpus, out, *method,
-                                       '--config.ckpt_every=2'))
+    resumed = trainer.train(run_config(corpus, out, *method))
   finally:
     jax.monitoring.unregister_event_listener(listen)
     jax.config.update('jax_persistent_cache_min_compile_time_secs', min_time)
   assert resumed['start_step'] == 2 and hits
+  assert resumed['losses'] == compiled['losses'][2:]
   assert _train_losses(out) == compiled['losses']
   assert jax.config.jax_compilation_cache_dir == own
 
