@@ -47,8 +47,14 @@ def _own_sum(x: jax.Array) -> jax.Array:
   that also counts the entries summed and reads the count (>= 0: + 0)."""
   total, count = jax.lax.reduce(
       (x, jnp.ones(x.shape, jnp.int32)), (jnp.float32(0), jnp.int32(0)),
-      lambda a, b: (a[0] + b[0], a[1] + b[1]), (x.ndim - 1,))
+      _add_pairs, (x.ndim - 1,))
   return total + jnp.where(count < 0, 1.0, 0.0)
+
+
+def _add_pairs(a, b):
+  """The reducer of `_own_sum`: one function, so JAX traces it once (a
+  lambda per call was traced at every norm)."""
+  return a[0] + b[0], a[1] + b[1]
 
 
 def global_norm(leaves: Sequence[Optional[jax.Array]]) -> jax.Array:
