@@ -34,15 +34,13 @@ def check(script: str, *argv) -> subprocess.CompletedProcess:
   return proc
 
 
-def run_many(cases: list) -> list:
+def run_many(cases: list, devices: int = 32) -> list:
   """Runs each (script, argv, cwd) of `cases` as `python bench/<script>.py
-  argv...` in `cwd`; [(exit code, stderr)] in order. The runs of one script
-  share one subprocess (`script_runner`), each script its own (a script may
-  choose its simulated devices). For command lines that stop before any
-  work (usage errors)."""
-  results = {}
-  for script in dict.fromkeys(s for s, _, _ in cases):
-    mine = [i for i, (s, _, _) in enumerate(cases) if s == script]
-    results.update(zip(mine, script_runner.run_in_one_process(
-        [(_path(script), cases[i][1], cases[i][2]) for i in mine], _env())))
-  return [results[i] for i in range(len(cases))]
+  argv...` in `cwd`; [(exit code, stderr)] in order. All in one subprocess
+  (`script_runner`: one interpreter and one jax import, not one a script),
+  with `devices` simulated CPU devices for all (the most any script
+  chooses: comm_volume.py's 32), so for command lines that stop before any
+  work (usage errors) only."""
+  env = dict(_env(), XLA_FLAGS=xla_flags(devices))
+  return script_runner.run_in_one_process(
+      [(_path(script), argv, cwd) for script, argv, cwd in cases], env)
