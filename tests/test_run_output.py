@@ -72,7 +72,10 @@ def test_log_lines_never_share_a_terminal_line_with_the_bar(corpus,
                                                             tmp_path):
   """The demo config for a few steps under a pseudo-terminal (tqdm draws
   its bar there): every log line stands on a terminal line of its own, and
-  the banner names the model and its parameters."""
+  the banner names the model and its parameters. Its density warmup made
+  long enough that the 6 steps are dense: one program to compile, not the
+  3 of the demo's first 6 steps (tests/test_update_count.py runs programs
+  compiled in the background)."""
   env = dict(os.environ, JAX_PLATFORMS='cpu')  # conftest's XLA_FLAGS: 8 devices
   primary, secondary = pty.openpty()
   fcntl.ioctl(secondary, termios.TIOCSWINSZ,  # a 24 x 120 terminal
@@ -82,7 +85,8 @@ def test_log_lines_never_share_a_terminal_line_with_the_bar(corpus,
        str(ROOT / 'configs' / 'shakespeare_llama_tiny.py'),
        f'--config.data.corpus={corpus}', f'--config.out_dir={tmp_path}',
        '--config.steps=6', '--config.log_every=2', '--config.eval_every=3',
-       '--config.data.seq_len=32', '--config.data.batch_size=16'],
+       '--config.data.seq_len=32', '--config.data.batch_size=16',
+       '--config.optimizer.scape.density_warmup_steps=100'],
       stdin=secondary, stdout=secondary, stderr=secondary, cwd=ROOT,
       env=env)
   os.close(secondary)
