@@ -34,13 +34,13 @@ def check(script: str, *argv) -> subprocess.CompletedProcess:
   return proc
 
 
-def run_many(cases: list, devices: int = 32) -> list:
+def run_many(cases: list) -> list:
   """Runs each (script, argv, cwd) of `cases` as `python bench/<script>.py
   argv...` in `cwd`; [(exit code, stderr)] in order. All in one subprocess
-  (`script_runner`: one interpreter and one jax import, not one a script),
-  with `devices` simulated CPU devices for all (the most any script
-  chooses: comm_volume.py's 32), so for command lines that stop before any
-  work (usage errors) only."""
-  env = dict(_env(), XLA_FLAGS=xla_flags(devices))
+  (`script_runner`: one interpreter and one jax import, not one a script)
+  with 32 simulated CPU devices for all (the most any script chooses:
+  comm_volume.py's), so for command lines that stop before any work (usage
+  errors) only."""
+  env = dict(_env(), XLA_FLAGS=xla_flags(32))
   return script_runner.run_in_one_process(
       [(_path(script), argv, cwd) for script, argv, cwd in cases], env)
