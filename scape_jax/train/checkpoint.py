@@ -133,12 +133,23 @@ def _leaf_checksum(x: jax.Array) -> jax.Array:
 
 
 @jax.jit
+def _leaf_summary(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(checksum, all entries finite) of one leaf, in one read of it."""
+  x = _on_device(x)
+  finite = (jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
+            else jnp.bool_(True))
+  return _leaf_checksum(x), finite
+
+
 def _checksums(leaves: list[jax.Array]) -> list[tuple[jax.Array, jax.Array]]:
-  """(checksum, all entries finite) of every leaf, in one read of each."""
-  leaves = [_on_device(x) for x in leaves]
-  return [(_leaf_checksum(x),
-           jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
-           else jnp.bool_(True)) for x in leaves]
+  """`_leaf_summary` of every leaf: one small program per shape, dtype and
+  sharding, which a state's same-shape leaves share (jit's cache); one
+  program of the whole list compiled its every leaf apart (llama500m's
+  SCAPE state: 7.9 s to lower and compile on 8 CPU devices, 2.3 s for its
+  20 distinct leaves, at a run's first save). Each waited for before the
+  next: with many sharded programs in flight, XLA:CPU aborted (as with
+  train steps, `guard`)."""
+  return [jax.block_until_ready(_leaf_summary(x)) for x in leaves]
 
 
 def _is_array(x: Any) -> bool:
