@@ -82,9 +82,8 @@ def pytest_sessionfinish(session):
   session is still running: under pytest-xdist, execnet gives a worker 5 s
   to end after it reports its session finished, then interrupts it
   (SIGINT). Freeing a whole suite's programs in the garbage collection at
-  exit took about that long (this call: 4.6 and 5.0 s on the two workers of
-  `make test`), and the interrupt printed a KeyboardInterrupt in jax's
-  `_xla_gc_callback` after the last test."""
+  exit took about that long, and the interrupt printed a KeyboardInterrupt
+  in jax's `_xla_gc_callback` after the last test."""
   del session
   jax.clear_caches()
   gc.collect()

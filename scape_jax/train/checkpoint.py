@@ -143,12 +143,10 @@ def _leaf_summary(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _checksums(leaves: list[jax.Array]) -> list[tuple[jax.Array, jax.Array]]:
   """`_leaf_summary` of every leaf: one small program per shape, dtype and
-  sharding, which a state's same-shape leaves share (jit's cache); one
-  program of the whole list compiled its every leaf apart (llama500m's
-  SCAPE state: 7.9 s to lower and compile on 8 CPU devices, 2.3 s for its
-  20 distinct leaves, at a run's first save). Each waited for before the
-  next: with many sharded programs in flight, XLA:CPU aborted (as with
-  train steps, `guard`)."""
+  sharding, which a state's same-shape leaves share (jit's cache), where
+  one program of the whole list compiled every leaf apart at a run's first
+  save. Each is waited for before the next: with many sharded programs in
+  flight, XLA:CPU aborted (as with train steps, `guard`)."""
   return [jax.block_until_ready(_leaf_summary(x)) for x in leaves]
 
 
